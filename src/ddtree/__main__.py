@@ -1,0 +1,3 @@
+from ddtree.cli import main
+
+raise SystemExit(main())

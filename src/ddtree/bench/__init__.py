@@ -1,0 +1,1 @@
+"""Measurement harnesses that emit measurement records (``ddtree.records``)."""

@@ -1,0 +1,76 @@
+"""Command line: a thin table of subcommands.
+
+Each subcommand lives in ``ddtree.commands.<module>`` and exposes
+``add_arguments(parser)`` and ``run(args) -> int``. Command modules import heavy
+libraries (torch, transformers) inside ``run`` only, so ``ddtree --help`` and
+``ddtree estimate`` stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+# (command path, module, one-line help). A path of two words is a sub-subcommand.
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("demo",), "demo", "decode held-out prompts with AR, chain and DDTree on the bundled pair"),
+    (("generate",), "generate", "stream a completion from a local target (and drafter)"),
+    (
+        ("estimate",),
+        "estimate",
+        "project decode tokens/s for hardware and drafters you do not have",
+    ),
+    (("bench", "tree"), "bench_tree", "time top-k, tree build and verify layout"),
+    (("bench", "engine"), "bench_engine", "sweep policies and budgets; write measurement records"),
+    (("bench", "bandwidth"), "bench_bandwidth", "measure memory bandwidth of this machine"),
+    (("bench", "moe"), "bench_moe", "time one MoE layer forward against verify width M"),
+    (("train", "target"), "train_target", "train the bundled tiny MLA+MoE target"),
+    (("train", "drafter"), "train_drafter", "train the bundled DFlash drafter on the target"),
+]
+
+GROUP_HELP = {
+    "bench": "measurement harnesses that write measurement records",
+    "train": "reproduce the bundled demo models",
+}
+
+
+def _available(module: str) -> bool:
+    return importlib.util.find_spec(f"ddtree.commands.{module}") is not None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddtree", description=__doc__.splitlines()[0])
+    top = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, module, help_text in COMMANDS:
+        if not _available(module):
+            continue
+        subparsers = top
+        if len(path) == 2:
+            group = path[0]
+            if group not in groups:
+                group_parser = top.add_parser(group, help=GROUP_HELP[group])
+                groups[group] = group_parser.add_subparsers(dest="subcommand", metavar="WHAT")
+                group_parser.set_defaults(_group_parser=group_parser)
+            subparsers = groups[group]
+        sub = subparsers.add_parser(path[-1], help=help_text, description=help_text)
+        mod = importlib.import_module(f"ddtree.commands.{module}")
+        mod.add_arguments(sub)
+        sub.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        (getattr(args, "_group_parser", None) or parser).print_help()
+        return 2
+    try:
+        return int(run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,1 @@
+"""Subcommand modules: ``add_arguments(parser)`` and ``run(args) -> int`` each."""

@@ -1,0 +1,1 @@
+"""The decode loop: one loop, pluggable proposal policies (AR, chain, DDTree)."""

@@ -1,0 +1,1 @@
+"""Targets and drafters behind two small protocols (see ``ddtree.models.base``)."""

@@ -1,0 +1,85 @@
+"""The two protocols the decode loop drives, so it never cares which model it has.
+
+Sequence bookkeeping (batch of one request):
+
+- The target's KV cache holds ``seq_len`` committed tokens. The root of the next tree is the
+  last committed token *not yet in the cache*: the previous step's bonus token, or after
+  ``prefill(prompt)`` the target's own token after the last prompt position.
+- ``verify(tree)`` runs one forward over the tree's ``M`` tokens at positions
+  ``seq_len + depth`` with an ancestor-only mask over the tree and full view of the prefix;
+  their KV entries are appended provisionally.
+- ``commit(accepted)`` keeps the KV entries of the accepted nodes (root first) at
+  ``seq_len .. seq_len + tau - 1`` and drops the rest; ``seq_len`` grows by ``tau``.
+
+The drafter sees target hidden states of the committed tokens only, in order, and proposes
+``B - 1`` distributions for the positions after the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ddtree.tree.types import DraftTree
+
+
+@dataclass
+class ModelInfo:
+    """Identity and size of a model, as written into measurement records."""
+
+    name: str  # folder name or preset
+    architecture: str  # e.g. "DeepseekV3ForCausalLM", "Qwen3ForCausalLM", "DFlashDraftModel"
+    implementation: str  # "mla_moe" (ours), "hf" (transformers wrapper), "dflash"
+    n_params: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str  # "float32", "bfloat16", ...
+    max_position: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [T, V] float, next-token logits at each input position
+    hidden: torch.Tensor | None  # [T, n_capture * H], captured layer outputs concatenated, or None
+
+
+@runtime_checkable
+class Target(Protocol):
+    info: ModelInfo
+    seq_len: int  # committed tokens in the KV cache
+
+    def set_capture_layers(self, layer_ids: list[int]) -> None:
+        """Hidden states to return with every forward (HF ``hidden_states`` indexing: 0 is the
+        embedding output, i is the output of decoder layer i-1)."""
+
+    def reset(self) -> None:
+        """Drop the KV cache (seq_len becomes 0)."""
+
+    def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
+        """``input_ids`` [T] int64: append T tokens to the cache (all committed)."""
+
+    def verify(self, tree: DraftTree) -> TargetOutput:
+        """One forward over the tree's M tokens; returns logits [M, V] and hidden [M, F]."""
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """``accepted`` [tau] int64 node indices of the last verified tree, root first."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    info: ModelInfo
+    block_size: int  # B: one root slot + B-1 mask slots
+    target_layer_ids: list[int]  # which target hidden states it conditions on (HF indexing)
+
+    def reset(self) -> None:
+        """Drop the drafter's context cache."""
+
+    def propose(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        """Append ``context_hidden`` [T_new, F] (target hidden states of the tokens committed
+        since the last call, in order) to the context, then run the block
+        ``[root, MASK x (B-1)]`` placed right after the context. Returns logits [B-1, V] for
+        the B-1 positions after the root."""

@@ -1,0 +1,1 @@
+"""The grounded estimator: hardware catalog, per-step cost model, calibration, projection."""

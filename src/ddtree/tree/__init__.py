@@ -1,0 +1,1 @@
+"""The DDTree core: pure functions over tensors (build, verify layout, acceptance, compaction)."""

@@ -1,0 +1,40 @@
+"""Result types of the tree core. Shapes are written on every field.
+
+Vocabulary (DESIGN.md): block size ``B``, depth ``L = B - 1``, budget ``N`` (non-root nodes),
+verify width ``M = N + 1``. Node 0 is the root (the last committed token, depth 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A draft tree of ``M = n_nodes`` nodes (root first), ordered by non-increasing score.
+
+    Parents always come before their children, so ``parents[i] < i`` for ``i > 0``.
+    """
+
+    tokens: torch.Tensor  # [M] int64, token id of each node; tokens[0] is the root token
+    parents: torch.Tensor  # [M] int64, parent node index; parents[0] == -1
+    depth: torch.Tensor  # [M] int64, depth of each node; depth[0] == 0
+    scores: torch.Tensor  # [M] float32, path log-prob from the root; scores[0] == 0
+    visibility: torch.Tensor  # [M, M] bool, visibility[i, j]: j is an ancestor of i or i itself
+    child_table: torch.Tensor  # [M, K_child] int64, see ddtree.tree.build; -1 where empty
+
+    @property
+    def n_nodes(self) -> int:
+        """Verify width M (root included)."""
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class AcceptResult:
+    """Outcome of verifying one tree."""
+
+    accepted: torch.Tensor  # [tau] int64 node indices, root first, each the parent of the next
+    bonus_token: int  # the target's token after the last accepted node
+    tau: int  # tokens committed this step = accepted draft nodes + 1 = len(accepted)
