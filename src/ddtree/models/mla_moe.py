@@ -1,0 +1,747 @@
+"""Our DeepSeek-V3 / Kimi-K2 style MLA + MoE target in plain PyTorch.
+
+Conventions follow transformers' ``DeepseekV3ForCausalLM`` (5.x) exactly, so that a checkpoint
+written for it loads with identity parameter names and gives the same logits:
+
+- MLA: optional q LoRA (``q_a_proj -> q_a_layernorm -> q_b_proj``, or a plain ``q_proj``), a kv
+  LoRA latent (``kv_a_proj_with_mqa`` gives ``[latent kv_lora_rank | rope key rope_dim]``, the
+  latent is RMS-normed), ``kv_b_proj`` expands the latent into per-head nope keys and values.
+- Decoupled RoPE on ``qk_rope_head_dim`` dims, interleaved pairs when ``rope_interleave``;
+  YaRN scaling scales cos/sin by ``attention_factor`` and the softmax scale by
+  ``mscale(factor, mscale_all_dim) ** 2``.
+- MoE router: sigmoid scores, ``+ e_score_correction_bias`` for choosing only, groups ranked by
+  the sum of their top-2 scores, ``topk_group`` groups kept, top-k experts, weights from the
+  uncorrected scores, optionally normalised, times ``routed_scaling_factor``; shared experts
+  always added; the first ``first_k_dense_replace`` layers are dense MLPs.
+
+The KV cache holds, per layer and token, the normed kv latent and the rotated rope key in one
+row ``[kv_lora_rank + rope_dim]`` (preallocated, grown geometrically). Attention is either
+``naive`` (materialise per-head K/V from the latent) or ``absorbed`` (fold ``W_UK`` into the
+query and ``W_UV`` after the attention: a few matmuls against the latent rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.models.base import ModelInfo, TargetOutput
+from ddtree.tree.types import DraftTree
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+ATTN_IMPLS = ("absorbed", "naive")
+# Router group score: sum of the top-2 expert scores of each group (DeepSeek-V3 "noaux_tc").
+GROUP_SCORE_TOPK = 2
+# transformers' router adds this to the normalisation denominator.
+ROUTER_NORM_EPS = 1e-20
+
+
+class ConfigError(ValueError):
+    """A config.json field the MLA+MoE model does not support."""
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The target produced NaN or inf logits; decoding stops instead of emitting garbage."""
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN magnitude correction (the formula of transformers' ``yarn_get_mscale``)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass
+class MlaMoeConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    n_shared_experts: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    first_k_dense_replace: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_interleave: bool = True
+    rope_scaling: dict = field(default_factory=dict)  # {} or the yarn parameters
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "DeepseekV3ForCausalLM"
+    # derived in __post_init__
+    qk_head_dim: int = 0
+    softmax_scale: float = 0.0
+    rope_attention_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts_per_tok", "n_group", "topk_group"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config field {name}={getattr(self, name)}: expected >= 1")
+        if self.n_routed_experts % self.n_group:
+            raise ConfigError(
+                f"config field n_routed_experts={self.n_routed_experts} is not divisible by "
+                f"n_group={self.n_group}"
+            )
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"config field topk_group={self.topk_group} > n_group={self.n_group}")
+        per_group = self.n_routed_experts // self.n_group
+        if per_group < GROUP_SCORE_TOPK and self.n_group > 1:
+            raise ConfigError(f"config: {per_group} experts per group, group scoring needs >= 2")
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            raise ConfigError(
+                f"config field num_experts_per_tok={self.num_experts_per_tok} exceeds the "
+                f"{self.topk_group * per_group} experts in topk_group={self.topk_group} groups"
+            )
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        scale = self.qk_head_dim**-0.5
+        if self.rope_scaling:
+            factor = float(self.rope_scaling["factor"])
+            mscale = self.rope_scaling.get("mscale")
+            mscale_all_dim = self.rope_scaling.get("mscale_all_dim")
+            attention_factor = self.rope_scaling.get("attention_factor")
+            if attention_factor is None:
+                if mscale and mscale_all_dim:
+                    attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(
+                        factor, mscale_all_dim
+                    )
+                else:
+                    attention_factor = _yarn_mscale(factor)
+            self.rope_attention_factor = float(attention_factor)
+            if mscale_all_dim:
+                scale = scale * _yarn_mscale(factor, mscale_all_dim) ** 2
+        self.softmax_scale = scale
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> MlaMoeConfig:
+        """Build from a Hugging Face DeepseekV3 / Kimi-K2 ``config.json`` dict."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"{source}: field model_type={model_type!r}, expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        expected_values = {
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "pretraining_tp": 1,
+        }
+        for name, value in expected_values.items():
+            if name in cfg and cfg[name] != value:
+                raise ConfigError(
+                    f"{source}: field {name}={cfg[name]!r} unsupported, expected {value!r}"
+                )
+        if cfg.get("quantization_config"):
+            raise ConfigError(
+                f"{source}: field quantization_config is set; only unquantised weights load"
+            )
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if kv_heads != heads:
+            raise ConfigError(
+                f"{source}: field num_key_value_heads={kv_heads} must equal num_attention_heads={heads}"
+            )
+        rope_theta, rope_scaling = _rope_from_hf(cfg, source)
+        eos = cfg.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        try:
+            return cls(
+                vocab_size=cfg["vocab_size"],
+                hidden_size=cfg["hidden_size"],
+                intermediate_size=cfg["intermediate_size"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                num_hidden_layers=cfg["num_hidden_layers"],
+                num_attention_heads=heads,
+                n_shared_experts=cfg.get("n_shared_experts") or 0,
+                n_routed_experts=cfg["n_routed_experts"],
+                num_experts_per_tok=cfg["num_experts_per_tok"],
+                n_group=cfg.get("n_group") or 1,
+                topk_group=cfg.get("topk_group") or 1,
+                first_k_dense_replace=cfg.get("first_k_dense_replace") or 0,
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                kv_lora_rank=cfg["kv_lora_rank"],
+                q_lora_rank=cfg.get("q_lora_rank"),
+                qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                v_head_dim=cfg["v_head_dim"],
+                max_position_embeddings=cfg["max_position_embeddings"],
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_interleave=bool(cfg.get("rope_interleave", True)),
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                eos_token_ids=eos_ids,
+                architecture=(cfg.get("architectures") or ["DeepseekV3ForCausalLM"])[0],
+            )
+        except KeyError as err:
+            raise ConfigError(f"{source}: missing field {err.args[0]}") from None
+
+
+def _rope_from_hf(cfg: dict, source: str) -> tuple[float, dict]:
+    """(rope_theta, yarn parameters or {}) from ``rope_parameters`` (transformers 5) or the
+    legacy ``rope_theta`` + ``rope_scaling`` fields of published checkpoints."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise ConfigError(f"{source}: missing field rope_theta (or rope_parameters.rope_theta)")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), {}
+    if rope_type != "yarn":
+        raise ConfigError(f"{source}: field rope_type={rope_type!r}, expected 'default' or 'yarn'")
+    for name in ("factor", "original_max_position_embeddings"):
+        if params.get(name) is None:
+            raise ConfigError(f"{source}: yarn rope field {name} is missing")
+    return float(theta), params
+
+
+def rope_inv_freq(config: MlaMoeConfig) -> torch.Tensor:
+    """[rope_dim // 2] float32 inverse frequencies (plain, or YaRN-blended as transformers)."""
+    dim, base = config.qk_rope_head_dim, config.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if not config.rope_scaling:
+        return 1.0 / pos_freqs
+    p = config.rope_scaling
+    factor = float(p["factor"])
+    beta_fast = p.get("beta_fast") or 32  # YaRN paper defaults
+    beta_slow = p.get("beta_slow") or 1
+    original = p["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions; ``apply`` rotates ``[..., M, rope_dim]`` tensors."""
+
+    def __init__(self, config: MlaMoeConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.attention_factor = config.rope_attention_factor
+        self.interleave = config.rope_interleave
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        freqs = position_ids[:, None].float() * self.inv_freq[None, :]  # [M, rope_dim/2]
+        cos = (freqs.cos() * self.attention_factor).to(dtype)
+        sin = (freqs.sin() * self.attention_factor).to(dtype)
+        return cos, sin
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [..., M, rope_dim]; cos, sin [M, rope_dim/2]. Interleaved pairs (x0, x1), (x2, x3)
+        are rotated and written de-interleaved (as transformers), else rotate-half."""
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class LatentCache:
+    """Per layer, per token: ``[kv latent (kv_lora_rank) | rotated rope key (rope_dim)]``.
+
+    ``rows[l, :length]`` are committed; a forward writes its M rows after them provisionally.
+    Capacity doubles when needed (never a per-step copy of the whole cache).
+    """
+
+    def __init__(self, config: MlaMoeConfig, capacity: int, dtype: torch.dtype, device) -> None:
+        self.n_layers = config.num_hidden_layers
+        self.row_dim = config.kv_lora_rank + config.qk_rope_head_dim
+        self.max_capacity = config.max_position_embeddings
+        self.rows = torch.zeros(self.n_layers, capacity, self.row_dim, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.rows.shape[1])
+
+    def ensure(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        new_capacity = min(max(needed, 2 * self.capacity), max(needed, self.max_capacity))
+        grown = self.rows.new_zeros(self.n_layers, new_capacity, self.row_dim)
+        grown[:, : self.length] = self.rows[:, : self.length]
+        self.rows = grown
+
+    def compact(self, src: torch.Tensor, dst: torch.Tensor, new_len: int) -> None:
+        """Move rows ``src`` [tau] to ``dst`` [tau] in every layer; keep ``new_len`` rows."""
+        self.rows[:, dst] = self.rows[:, src]
+        self.length = new_len
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid router with correction bias and group limiting (parameters kept in float32)."""
+
+    def __init__(self, config: MlaMoeConfig) -> None:
+        super().__init__()
+        self.config = config
+        e = config.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(e, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, H] -> (weights [M, k] float32, expert ids [M, k] int64)."""
+        c = self.config
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [M, E]
+        choice = scores + self.e_score_correction_bias
+        if c.n_group > 1:
+            grouped = choice.view(-1, c.n_group, c.n_routed_experts // c.n_group)
+            group_scores = grouped.topk(GROUP_SCORE_TOPK, dim=-1)[0].sum(dim=-1)  # [M, G]
+            keep = torch.topk(group_scores, k=c.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            expert_mask = group_mask.repeat_interleave(c.n_routed_experts // c.n_group, dim=1)
+            choice = choice.masked_fill(~expert_mask, float("-inf"))
+        ids = torch.topk(choice, k=c.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTER_NORM_EPS)
+        return weights * c.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    """Routed experts as fused 3D parameters (transformers' layout)."""
+
+    def __init__(self, config: MlaMoeConfig) -> None:
+        super().__init__()
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # [E, 2I, H]
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [M, H]; weights, ids [M, k]. Tokens sorted by expert; loop over touched experts."""
+        k = ids.shape[1]
+        flat_ids = ids.reshape(-1)  # [M*k]
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // k  # [M*k] token index of each sorted slot
+        slot_weight = weights.reshape(-1)[order].to(x.dtype)
+        out = torch.zeros_like(x)
+        begin = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[begin : begin + count]
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, tokens, y * slot_weight[begin : begin + count, None])
+            begin += count
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: MlaMoeConfig) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        shared = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = MLP(config.hidden_size, shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: MlaMoeConfig, attn_impl: str) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.attn_impl = attn_impl
+        h, nh = c.hidden_size, c.num_attention_heads
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, nh * c.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, c.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, nh * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(nh * c.v_head_dim, h, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [M, H]
+        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,  # [M, S+M] additive
+        cache_rows: torch.Tensor,  # [capacity, r + rope_dim] this layer's cache rows
+        start: int,  # S: committed rows before the new ones
+    ) -> torch.Tensor:
+        c = self.config
+        m, nh = x.shape[0], c.num_attention_heads
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(m, nh, c.qk_head_dim).transpose(0, 1)  # [nh, M, dq]
+        q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q_rope = rope.apply(q_rope, *cos_sin)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        cache_rows[start : start + m, : c.kv_lora_rank] = self.kv_a_layernorm(latent)
+        cache_rows[start : start + m, c.kv_lora_rank :] = rope.apply(k_rope, *cos_sin)
+        rows = cache_rows[: start + m]  # [S+M, r + rope_dim]
+        if self.attn_impl == "absorbed":
+            out = self._absorbed(q_nope, q_rope, rows, mask)
+        else:
+            out = self._naive(q_nope, q_rope, rows, mask)
+        return self.o_proj(out.transpose(0, 1).reshape(m, nh * c.v_head_dim))
+
+    def _softmax(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = scores * self.config.softmax_scale + mask
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(mask.dtype)
+
+    def _naive(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
+        """Materialise per-head keys and values from the latent: [nh, M, dv]."""
+        c = self.config
+        s = rows.shape[0]
+        latent, k_rope = rows.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(s, c.num_attention_heads, -1).transpose(0, 1)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [nh, S, *]
+        scores = q_nope @ k_nope.transpose(1, 2) + q_rope @ k_rope.T  # [nh, M, S]
+        return self._softmax(scores, mask) @ v
+
+    def _absorbed(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
+        """Fold W_UK into the query, attend over latent rows, apply W_UV after: [nh, M, dv]."""
+        c = self.config
+        nh, m = q_nope.shape[:2]
+        w = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w_uk, w_uv = w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [nh, dn|dv, r]
+        q_cat = torch.cat([q_nope @ w_uk, q_rope], dim=-1)  # [nh, M, r + rope_dim]
+        scores = (q_cat.reshape(nh * m, -1) @ rows.T).view(nh, m, -1)  # [nh, M, S]
+        probs = self._softmax(scores, mask)
+        out_latent = (probs.reshape(nh * m, -1) @ rows[:, : c.kv_lora_rank]).view(nh, m, -1)
+        return out_latent @ w_uv.transpose(1, 2)  # [nh, M, dv]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: MlaMoeConfig, layer_idx: int, attn_impl: str) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, attn_impl)
+        if layer_idx >= config.first_k_dense_replace:
+            self.mlp = MoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, rope, cos_sin, mask, cache_rows, start) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, mask, cache_rows, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """``model.*`` of the checkpoint: embedding, decoder layers, final norm."""
+
+    def __init__(self, config: MlaMoeConfig, attn_impl: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, attn_impl) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [M, V]
+    hidden: torch.Tensor | None  # [M, n_capture * H] or None
+
+
+class MlaMoeModel(nn.Module):
+    """The MLA+MoE causal LM. Parameter names equal ``DeepseekV3ForCausalLM``'s."""
+
+    def __init__(self, config: MlaMoeConfig, attn_impl: str = "absorbed") -> None:
+        super().__init__()
+        if attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={attn_impl!r}, expected one of {ATTN_IMPLS}")
+        self.config = config
+        self.attn_impl = attn_impl
+        self.model = Backbone(config, attn_impl)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [M] int64
+        position_ids: torch.Tensor,  # [M] int64
+        attn_mask: torch.Tensor,  # [1, 1, M, S+M] additive float, S = cache.length
+        cache: LatentCache,
+        capture_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """Writes the M new rows after ``cache.length`` (provisionally; length unchanged)."""
+        m, start = input_ids.shape[0], cache.length
+        assert input_ids.dim() == 1 and position_ids.shape == (m,), (
+            input_ids.shape,
+            position_ids.shape,
+        )
+        assert attn_mask.shape == (1, 1, m, start + m), (attn_mask.shape, m, start)
+        cache.ensure(start + m)
+        x = self.model.embed_tokens(input_ids)  # [M, H]
+        cos_sin = self.model.rotary_emb.cos_sin(position_ids, x.dtype)
+        mask = attn_mask[0, 0].to(x.dtype)
+        captured = {0: x} if 0 in capture_layers else {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, self.model.rotary_emb, cos_sin, mask, cache.rows[i], start)
+            if i + 1 in capture_layers:
+                captured[i + 1] = x
+        logits = self.lm_head(self.model.norm(x))
+        hidden = torch.cat([captured[i] for i in capture_layers], -1) if capture_layers else None
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+
+def causal_mask(start: int, m: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """[1, 1, M, start+M] additive: prefix visible, new tokens causal among themselves."""
+    mask = torch.zeros(1, 1, m, start + m, dtype=dtype, device=device)
+    future = torch.ones(m, m, dtype=torch.bool, device=device).triu(1)
+    mask[0, 0, :, start:].masked_fill_(future, torch.finfo(dtype).min)
+    return mask
+
+
+def _tree_layout(
+    tree: DraftTree, start: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position_ids [M], attn_mask [1,1,M,start+M]): prefix visible, tree ancestor-only."""
+    m = tree.n_nodes
+    mask = torch.zeros(1, 1, m, start + m, dtype=dtype)
+    mask[0, 0, :, start:].masked_fill_(~tree.visibility, torch.finfo(dtype).min)
+    return start + tree.depth, mask
+
+
+class MlaMoeTarget:
+    """The ``Target`` protocol over :class:`MlaMoeModel` with a latent KV cache (batch of 1)."""
+
+    def __init__(
+        self,
+        model: MlaMoeModel,
+        name: str = "mla_moe",
+        capacity: int = 256,
+        check_finite: bool = True,
+    ) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.check_finite = check_finite
+        self.capture_layers: tuple[int, ...] = ()
+        capacity = min(capacity, self.config.max_position_embeddings)
+        self.cache = LatentCache(self.config, capacity, self.dtype, self.device)
+        self._pending = 0  # M of the last verify, awaiting commit
+        c = self.config
+        n_params = sum(p.numel() for p in model.parameters())
+        self.info = ModelInfo(
+            name=name,
+            architecture=c.architecture,
+            implementation="mla_moe",
+            n_params=n_params,
+            num_layers=c.num_hidden_layers,
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_position=c.max_position_embeddings,
+            eos_token_ids=c.eos_token_ids,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        attn_impl: str = "absorbed",
+        capacity: int = 4096,
+        check_finite: bool = True,
+    ) -> MlaMoeTarget:
+        from ddtree.models.checkpoint import load_safetensors, match_state_dict, read_config
+
+        path = Path(path)
+        config = MlaMoeConfig.from_hf(read_config(path), source=str(path / "config.json"))
+        with torch.device("meta"):
+            model = MlaMoeModel(config, attn_impl)
+        tensors = _fuse_per_expert(load_safetensors(path), config)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if config.tie_word_embeddings:
+            expected.pop("lm_head.weight", None)
+        match_state_dict(expected, tensors, str(path))
+        model = model.to_empty(device=device)
+        model.load_state_dict(tensors, strict=False, assign=False)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.model.rotary_emb.inv_freq = rope_inv_freq(config).to(device)
+        model = model.to(dtype)
+        for module in model.modules():  # the router stays in float32, as transformers keeps it
+            if isinstance(module, Router):
+                module.float()
+        return cls(model, name=path.name, capacity=capacity, check_finite=check_finite)
+
+    # --- protocol -------------------------------------------------------------------------
+    @property
+    def seq_len(self) -> int:
+        return self.cache.length
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.model.embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.lm_head
+
+    def set_capture_layers(self, layer_ids: list[int]) -> None:
+        n = self.config.num_hidden_layers
+        bad = [i for i in layer_ids if not 0 <= i <= n]
+        if bad:
+            raise ValueError(f"capture layer ids {bad} outside 0..{n} (HF hidden_states indexing)")
+        self.capture_layers = tuple(layer_ids)
+
+    def reset(self) -> None:
+        self.cache.length = 0
+        self._pending = 0
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
+        assert input_ids.dim() == 1, input_ids.shape  # [T] int64
+        t = int(input_ids.shape[0])
+        self._check_positions(self.seq_len + t, f"prompt of {t} tokens after {self.seq_len} cached")
+        mask = causal_mask(self.seq_len, t, self.dtype, self.device)
+        positions = torch.arange(self.seq_len, self.seq_len + t, device=self.device)
+        out = self._forward(input_ids, positions, mask)
+        self.cache.length += t
+        self._pending = 0
+        return out
+
+    @torch.inference_mode()
+    def verify(self, tree: DraftTree) -> TargetOutput:
+        m = tree.n_nodes
+        positions, mask = _tree_layout(tree, self.seq_len, self.dtype)
+        self._check_positions(int(positions.max()) + 1, f"tree of depth {int(tree.depth.max())}")
+        out = self._forward(
+            tree.tokens.to(self.device), positions.to(self.device), mask.to(self.device)
+        )
+        self._pending = m
+        return out
+
+    @torch.inference_mode()
+    def commit(self, accepted: torch.Tensor) -> None:
+        assert accepted.dim() == 1, accepted.shape  # [tau] int64
+        tau = int(accepted.shape[0])
+        if self._pending == 0:
+            raise RuntimeError("commit() without a preceding verify()")
+        if tau < 1 or int(accepted[0]) != 0 or int(accepted.max()) >= self._pending:
+            raise ValueError(
+                f"accepted {accepted.tolist()}: expected root 0 first, ids < {self._pending}"
+            )
+        start = self.seq_len
+        src = (start + accepted).to(self.device)
+        dst = torch.arange(start, start + tau, device=self.device)
+        self.cache.compact(src, dst, start + tau)
+        self._pending = 0
+
+    # --- internals ------------------------------------------------------------------------
+    def _check_positions(self, needed: int, what: str) -> None:
+        limit = self.config.max_position_embeddings
+        if needed > limit:
+            raise ValueError(f"{what} needs {needed} positions > max_position_embeddings={limit}")
+
+    def _forward(self, ids, positions, mask) -> TargetOutput:
+        out = self.model(ids, positions, mask, self.cache, self.capture_layers)
+        if self.check_finite and not torch.isfinite(out.logits).all():
+            raise NonFiniteLogitsError(
+                f"{self.info.name}: NaN/inf in logits at positions "
+                f"{int(positions.min())}..{int(positions.max())}"
+            )
+        return TargetOutput(logits=out.logits, hidden=out.hidden)
+
+
+def _fuse_per_expert(tensors: dict[str, torch.Tensor], config: MlaMoeConfig) -> dict:
+    """Published DeepSeek/Kimi checkpoints store experts one by one
+    (``mlp.experts.{e}.{gate,up,down}_proj.weight``); stack them into the fused layout.
+    Multi-token-prediction layers (index >= num_hidden_layers) are dropped."""
+    n = config.num_hidden_layers
+    out = {
+        k: v
+        for k, v in tensors.items()
+        if not (
+            k.startswith(f"model.layers.{n}.")
+            or _layer_index(k) is not None
+            and _layer_index(k) >= n
+        )
+    }
+    for layer in range(config.first_k_dense_replace, n):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        if prefix + "0.gate_proj.weight" not in out:
+            continue
+        gate_up, down = [], []
+        for e in range(config.n_routed_experts):
+            names = [f"{prefix}{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+            missing = [x for x in names if x not in out]
+            if missing:
+                raise KeyError(f"checkpoint: missing tensors {missing}")
+            g, u, d = (out.pop(x) for x in names)
+            gate_up.append(torch.cat([g, u], 0))
+            down.append(d)
+        out[prefix + "gate_up_proj"] = torch.stack(gate_up)
+        out[prefix + "down_proj"] = torch.stack(down)
+    return out
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
