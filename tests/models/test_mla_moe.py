@@ -67,7 +67,7 @@ CONFIGS = {
             factor=4.0,
             original_max_position_embeddings=32,
             mscale=1.0,
-            mscale_all_dim=1.0,
+            mscale_all_dim=0.8,
             beta_fast=32,
             beta_slow=1,
         ),
@@ -268,8 +268,11 @@ def test_nan_logits_raise(hf_model):
 
 def test_yarn_softmax_scale_includes_mscale():
     config = MlaMoeConfig.from_hf(transformers.DeepseekV3Config(**CONFIGS["deepseek"]).to_dict())
-    mscale = 0.1 * 1.0 * torch.log(torch.tensor(4.0)).item() + 1.0
-    assert config.softmax_scale == pytest.approx(16**-0.5 * mscale**2)
+    # mscale(s, m) = 0.1 * m * ln(s) + 1 (YaRN); the softmax scale uses mscale_all_dim = 0.8,
+    # cos/sin carry mscale(4, 1.0) / mscale(4, 0.8)
+    log4 = torch.log(torch.tensor(4.0)).item()
+    assert config.softmax_scale == pytest.approx(16**-0.5 * (0.08 * log4 + 1) ** 2)
+    assert config.rope_attention_factor == pytest.approx((0.1 * log4 + 1) / (0.08 * log4 + 1))
     plain = MlaMoeConfig.from_hf(transformers.DeepseekV3Config(**CONFIGS["kimi"]).to_dict())
     assert plain.softmax_scale == pytest.approx(16**-0.5)
 
