@@ -23,7 +23,10 @@ class DraftTree:
     depth: torch.Tensor  # [M] int64, depth of each node; depth[0] == 0
     scores: torch.Tensor  # [M] float32, path log-prob from the root; scores[0] == 0
     visibility: torch.Tensor  # [M, M] bool, visibility[i, j]: j is an ancestor of i or i itself
-    child_table: torch.Tensor  # [M, K_child] int64, see ddtree.tree.build; -1 where empty
+
+    # Acceptance finds "the child of i whose token is t" without a child table: siblings carry
+    # distinct tokens (one ranked list per depth), so node j is on the accepted path exactly when
+    # every non-root ancestor-or-self a of j has tokens[a] == target_token[parents[a]].
 
     @property
     def n_nodes(self) -> int:

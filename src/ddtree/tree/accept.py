@@ -1,0 +1,137 @@
+"""Acceptance: walk the tree from the root while the target's token is a child.
+
+Greedy: the target's token at node i is its argmax after the path to i. Sampled: the target's
+token at every node is drawn from its own processed distribution (temperature, top-k, top-p);
+walking by match then commits exactly a sample of the target (each committed token is the
+target's own draw given the committed prefix), so sampled DDTree is lossless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.tree.types import AcceptResult, DraftTree
+
+
+def process_logits(
+    logits: torch.Tensor,  # [..., V] float
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
+    """Log-probabilities after temperature, top-k and top-p (nucleus) filtering; removed
+    tokens get -inf. ``temperature`` must be > 0 here (0 means greedy: use argmax)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    scaled = logits.to(torch.float32) / temperature
+    if top_k is not None and 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # keep a token if the mass strictly before it is < top_p (the first is always kept)
+        before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def sample_token(
+    logits: torch.Tensor,  # [V] or [M, V] float
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row: argmax when temperature == 0, else a draw. Returns [] or [M] int64."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = process_logits(logits, temperature, top_k, top_p).exp()
+    flat = probs.reshape(-1, probs.shape[-1])
+    draws = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return draws.reshape(probs.shape[:-1])
+
+
+def accepted_mask(
+    tokens: torch.Tensor,  # [..., M] int64
+    parents: torch.Tensor,  # [..., M] int64, -1 at the root
+    visibility: torch.Tensor,  # [..., M, M] bool
+    target_tokens: torch.Tensor,  # [..., M] int64, target's token after each node
+) -> torch.Tensor:
+    """[..., M] bool: nodes on the accepted path (root included). Node j > 0 matches when its
+    token equals the target's token at its parent; it is accepted when it and all its
+    non-root ancestors match."""
+    parent_target = target_tokens.gather(-1, parents.clamp(min=0))
+    match = (tokens == parent_target) | (parents < 0)
+    return ~(visibility & ~match[..., None, :]).any(-1)
+
+
+def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
+    """``target_tokens`` [M] int64: the target's token after each node (argmax for greedy)."""
+    m = tree.n_nodes
+    if target_tokens.shape != (m,):
+        raise ValueError(
+            f"target_tokens must be [{m}] (one per node), got {tuple(target_tokens.shape)}"
+        )
+    ok = accepted_mask(tree.tokens, tree.parents, tree.visibility, target_tokens)
+    # nodes are ordered parents-first, so the accepted path in index order is root -> leaf
+    accepted = ok.nonzero().squeeze(1)
+    tau = int(accepted.shape[0])
+    return AcceptResult(accepted=accepted, bonus_token=int(target_tokens[accepted[-1]]), tau=tau)
+
+
+def accept_sampled(
+    tree: DraftTree,
+    target_logits: torch.Tensor,  # [M, V]
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> AcceptResult:
+    """Draw the target's token at every node, then walk by match (lossless)."""
+    if target_logits.dim() != 2 or target_logits.shape[0] != tree.n_nodes:
+        raise ValueError(
+            f"target_logits must be [{tree.n_nodes}, V], got {tuple(target_logits.shape)}"
+        )
+    drawn = sample_token(target_logits, temperature, top_k, top_p, generator)
+    return accept_greedy(tree, drawn)
+
+
+def accept_greedy_batch(
+    tokens: torch.Tensor,  # [R, M] int64
+    parents: torch.Tensor,  # [R, M] int64
+    visibility: torch.Tensor,  # [R, M, M] bool
+    target_tokens: torch.Tensor,  # [R, M] int64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batched greedy acceptance without host synchronisation.
+
+    Returns (accepted_mask [R, M] bool, tau [R] int64, bonus_token [R] int64). Padding nodes
+    (parent -1 beyond the root) must have visibility only on their own diagonal and a token
+    that cannot match, or be excluded by the caller with ``n_nodes``.
+    """
+    ok = accepted_mask(tokens, parents, visibility, target_tokens)
+    ok[:, 1:] &= parents[:, 1:] >= 0
+    tau = ok.sum(-1)
+    index = torch.arange(ok.shape[1], device=ok.device).expand_as(ok)
+    last = torch.where(ok, index, -1).max(-1).values
+    bonus = target_tokens.gather(1, last[:, None]).squeeze(1)
+    return ok, tau, bonus
+
+
+def accept_sampled_batch(
+    tokens: torch.Tensor,  # [R, M] int64
+    parents: torch.Tensor,  # [R, M] int64
+    visibility: torch.Tensor,  # [R, M, M] bool
+    target_logits: torch.Tensor,  # [R, M, V]
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sampled variant of ``accept_greedy_batch`` (same return value)."""
+    drawn = sample_token(target_logits, temperature, top_k, top_p, generator)
+    return accept_greedy_batch(tokens, parents, visibility, drawn)

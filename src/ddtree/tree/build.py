@@ -1,0 +1,254 @@
+"""Best-first draft-tree construction (DDTree's surrogate).
+
+Inputs per request: the root token, per-depth top-K log-probs ``[L, K]`` sorted descending and
+their token ids ``[L, K]``, and a budget N. A node at depth d is a rank tuple ``(r_1, .., r_d)``
+(rank r_i in depth i's list) with path score ``lp[0, r_1] + .. + lp[d-1, r_d]``, accumulated in
+float32 from the root outwards. Every depth reuses the same ranked list whatever the parent.
+
+The tree is the N best rank tuples under the order: higher score first, ties broken by the
+lexicographically smaller rank tuple (a proper prefix is smaller than its extensions). Because
+log-probs are <= 0 and sorted descending, a parent and an elder sibling always precede a node in
+this order, so the N best are closed under prefixes and the best-first walk that pops a node and
+pushes its next sibling and its first child visits them in order.
+
+Worked example (L = 2, K = 2, N = 3)::
+
+    lp = [[-0.1, -2.0],     depth 1: tokens [7, 8]
+          [-0.5, -0.7]]     depth 2: tokens [3, 4]
+    candidates: (0)=-0.1, (0,0)=-0.6, (0,1)=-0.8, (1)=-2.0, ...
+    tree (root first): root, (0)->7, (0,0)->3, (0,1)->4 ; parents [-1, 0, 1, 1]
+
+Node ordering is the output order: node 0 is the root; nodes follow in that order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ddtree.tree.types import DraftTree
+
+
+def check_topk(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: int) -> None:
+    """Validate one request's or a batch's top-K inputs ([.., L, K]); raise ValueError naming
+    the argument."""
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    if topk_logprobs.shape != topk_tokens.shape or topk_logprobs.dim() < 2:
+        raise ValueError(
+            f"topk_logprobs {tuple(topk_logprobs.shape)} and topk_tokens "
+            f"{tuple(topk_tokens.shape)} must share one shape [.., L, K]"
+        )
+    if not topk_logprobs.is_floating_point():
+        raise ValueError(f"topk_logprobs must be floating point, got {topk_logprobs.dtype}")
+    if torch.isnan(topk_logprobs).any():
+        raise ValueError("topk_logprobs contains NaN (expected log-probabilities or -inf)")
+    if (topk_logprobs[..., 1:] > topk_logprobs[..., :-1]).any():
+        raise ValueError("topk_logprobs must be sorted descending along the last dimension (K)")
+
+
+def tree_from_parents(
+    root_token: int,
+    tokens: torch.Tensor,  # [n] int64, non-root nodes in output order
+    parents: torch.Tensor,  # [n] int64, parent index in the full tree (root = 0)
+    depth: torch.Tensor,  # [n] int64
+    scores: torch.Tensor,  # [n] float32
+) -> DraftTree:
+    """Assemble a DraftTree (root prepended) and its ancestor-or-self visibility."""
+    device = tokens.device
+    m = tokens.shape[0] + 1
+    all_parents = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), parents])
+    visibility = torch.eye(m, dtype=torch.bool, device=device)
+    # Parents precede children, so row i = row parents[i] plus i itself; done depth by depth
+    # with one gather per depth instead of one per node.
+    all_depth = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), depth])
+    max_depth = int(all_depth.max()) if m > 1 else 0
+    for d in range(1, max_depth + 1):
+        rows = (all_depth == d).nonzero().squeeze(1)
+        visibility[rows] |= visibility[all_parents[rows]]
+    return DraftTree(
+        tokens=torch.cat([torch.tensor([root_token], dtype=torch.int64, device=device), tokens]),
+        parents=all_parents,
+        depth=all_depth,
+        scores=torch.cat([torch.zeros(1, dtype=torch.float32, device=device), scores]),
+        visibility=visibility,
+    )
+
+
+def build_tree(
+    root_token: int,
+    topk_logprobs: torch.Tensor,  # [L, K] float, sorted descending per depth
+    topk_tokens: torch.Tensor,  # [L, K] int64
+    budget: int,
+) -> DraftTree:
+    """CPU best-first (heap) builder. Returns at most ``budget + 1`` nodes, root first."""
+    check_topk(topk_logprobs, topk_tokens, budget)
+    assert topk_logprobs.dim() == 2, "build_tree takes one request [L, K]; see build_trees"
+    n_depth, k = topk_logprobs.shape
+    k = min(k, budget)  # rank >= budget has `budget` better siblings: never chosen
+    lp = topk_logprobs[:, :k].detach().to("cpu", torch.float32).numpy()
+    tok = topk_tokens[:, :k].detach().to("cpu", torch.int64).numpy()
+    out_tokens: list[int] = []
+    out_parents: list[int] = []
+    out_depth: list[int] = []
+    out_scores: list[np.float32] = []
+    heap: list[tuple[np.float32, tuple[int, ...], int]] = []
+    zero = np.float32(0.0)
+    if budget > 0 and n_depth > 0 and k > 0 and np.isfinite(lp[0, 0]):
+        heap.append((-(zero + lp[0, 0]), (0,), 0))
+    while heap and len(out_tokens) < budget:
+        neg_score, ranks, parent = heapq.heappop(heap)
+        node = len(out_tokens) + 1
+        d = len(ranks)
+        r = ranks[-1]
+        score = -neg_score
+        out_tokens.append(int(tok[d - 1, r]))
+        out_parents.append(parent)
+        out_depth.append(d)
+        out_scores.append(score)
+        if r + 1 < k and np.isfinite(lp[d - 1, r + 1]):
+            parent_score = out_scores[parent - 1] if parent > 0 else zero
+            sib = parent_score + lp[d - 1, r + 1]
+            heapq.heappush(heap, (-sib, ranks[:-1] + (r + 1,), parent))
+        if d < n_depth and np.isfinite(lp[d, 0]):
+            heapq.heappush(heap, (-(score + lp[d, 0]), ranks + (0,), node))
+    return tree_from_parents(
+        int(root_token),
+        torch.tensor(out_tokens, dtype=torch.int64),
+        torch.tensor(out_parents, dtype=torch.int64),
+        torch.tensor(out_depth, dtype=torch.int64),
+        torch.tensor(np.array(out_scores, dtype=np.float32)),
+    )
+
+
+@dataclass
+class DraftTreeBatch:
+    """R trees padded to ``budget + 1`` nodes. Rows past ``n_nodes[r]`` are padding
+    (token 0, parent -1, score -inf, visibility only on the diagonal)."""
+
+    tokens: torch.Tensor  # [R, N+1] int64
+    parents: torch.Tensor  # [R, N+1] int64
+    depth: torch.Tensor  # [R, N+1] int64
+    scores: torch.Tensor  # [R, N+1] float32
+    visibility: torch.Tensor  # [R, N+1, N+1] bool
+    n_nodes: torch.Tensor  # [R] int64, real nodes per tree (root included)
+
+    def tree(self, r: int) -> DraftTree:
+        """Tree r as a DraftTree (one host synchronisation for its size)."""
+        m = int(self.n_nodes[r])
+        return DraftTree(
+            tokens=self.tokens[r, :m],
+            parents=self.parents[r, :m],
+            depth=self.depth[r, :m],
+            scores=self.scores[r, :m],
+            visibility=self.visibility[r, :m, :m],
+        )
+
+
+def build_trees(
+    root_tokens: torch.Tensor,  # [R] int64
+    topk_logprobs: torch.Tensor,  # [R, L, K] float, sorted descending per depth
+    topk_tokens: torch.Tensor,  # [R, L, K] int64
+    budget: int,
+) -> DraftTreeBatch:
+    """Batched, vectorised builder: same trees (nodes and order) as ``build_tree``, with no host
+    synchronisation (shapes depend only on R, L, K and the budget).
+
+    Level by level: keep the ``budget`` best nodes of each depth among the children of the kept
+    nodes of the depth above (a node of the global top-N has its parent in the global top-N,
+    and is among the N best of its depth). Kept nodes of a depth are held in lexicographic
+    rank order, so the flattened (parent, rank) grid of the next depth is lexicographic too.
+    The final order sorts all kept nodes by (score desc, rank tuple asc) with stable sorts.
+    """
+    check_topk(topk_logprobs, topk_tokens, budget)
+    assert topk_logprobs.dim() == 3, "build_trees takes [R, L, K]"
+    device = topk_logprobs.device
+    r_count, n_depth, k = topk_logprobs.shape
+    k = min(k, budget)
+    n = budget
+    lp = topk_logprobs[:, :, :k].to(torch.float32)
+    tok = topk_tokens[:, :, :k].to(torch.int64)
+    batch = torch.arange(r_count, device=device)[:, None]
+
+    level_scores, level_ranks, level_parent, level_depth = [], [], [], []
+    # depth 0: the root, score 0, no ranks; its "global id" is -1 (root)
+    parent_scores = torch.zeros(r_count, 1, dtype=torch.float32, device=device)
+    parent_ranks = torch.full((r_count, 1, n_depth), -1, dtype=torch.int64, device=device)
+    parent_ids = torch.full((r_count, 1), -1, dtype=torch.int64, device=device)
+    offset = 0
+    for d in range(n_depth if n > 0 and k > 0 else 0):
+        p = parent_scores.shape[1]
+        child = parent_scores[:, :, None] + lp[:, d, None, :]  # [R, P, K]
+        child = child.reshape(r_count, p * k)
+        keep = min(n, p * k)
+        # stable sort on score desc keeps lexicographic order among ties
+        order = torch.sort(child, dim=1, descending=True, stable=True).indices[:, :keep]
+        order = torch.sort(order, dim=1).values  # back to lexicographic order
+        scores = child.gather(1, order)  # [R, keep]
+        par = order // k
+        rank = order % k
+        ranks = parent_ranks.gather(1, par[:, :, None].expand(-1, -1, n_depth)).clone()
+        ranks[:, :, d] = rank
+        level_scores.append(scores)
+        level_ranks.append(ranks)
+        level_parent.append(parent_ids.gather(1, par))
+        level_depth.append(torch.full_like(par, d + 1))
+        parent_scores, parent_ranks = scores, ranks
+        parent_ids = offset + torch.arange(keep, device=device).expand(r_count, keep)
+        offset += keep
+
+    out_m = n + 1
+    tokens = torch.zeros(r_count, out_m, dtype=torch.int64, device=device)
+    tokens[:, 0] = root_tokens.to(device=device, dtype=torch.int64)
+    parents = torch.full((r_count, out_m), -1, dtype=torch.int64, device=device)
+    depth = torch.zeros(r_count, out_m, dtype=torch.int64, device=device)
+    scores = torch.full((r_count, out_m), float("-inf"), dtype=torch.float32, device=device)
+    scores[:, 0] = 0.0
+    if offset == 0:
+        n_nodes = torch.ones(r_count, dtype=torch.int64, device=device)
+        vis = torch.eye(out_m, dtype=torch.bool, device=device).expand(r_count, -1, -1).clone()
+        return DraftTreeBatch(tokens, parents, depth, scores, vis, n_nodes)
+
+    all_scores = torch.cat(level_scores, 1)  # [R, T]
+    all_ranks = torch.cat(level_ranks, 1)  # [R, T, L], -1 padded
+    all_parent = torch.cat(level_parent, 1)  # [R, T], -1 = root
+    all_depth = torch.cat(level_depth, 1)
+    all_tokens = tok[batch, all_depth - 1, all_ranks.gather(2, (all_depth - 1)[:, :, None])[..., 0]]
+    finite = torch.isfinite(all_scores)
+    # Order: finite first, then score desc, then rank tuple asc. Stable sorts from the least
+    # significant key to the most significant one.
+    perm = torch.arange(all_scores.shape[1], device=device).expand(r_count, -1)
+    for col in reversed(range(n_depth)):
+        key = all_ranks[:, :, col].gather(1, perm)
+        perm = perm.gather(1, torch.sort(key, dim=1, stable=True).indices)
+    key = torch.where(finite, -all_scores, torch.full_like(all_scores, float("inf"))).gather(
+        1, perm
+    )
+    perm = perm.gather(1, torch.sort(key, dim=1, stable=True).indices)
+    perm = perm[:, :n]
+    take = perm.shape[1]
+    # new index (1-based, root 0) of each level node that was taken
+    new_index = torch.full_like(all_scores, -1, dtype=torch.int64)
+    new_index.scatter_(1, perm, torch.arange(1, take + 1, device=device).expand(r_count, -1))
+    sel_parent = all_parent.gather(1, perm)
+    sel_parent_new = torch.where(
+        sel_parent < 0, torch.zeros_like(sel_parent), new_index.gather(1, sel_parent.clamp(min=0))
+    )
+    valid = finite.gather(1, perm)
+    n_nodes = 1 + valid.sum(1)
+    tokens[:, 1 : take + 1] = torch.where(valid, all_tokens.gather(1, perm), 0)
+    parents[:, 1 : take + 1] = torch.where(valid, sel_parent_new, -1)
+    depth[:, 1 : take + 1] = torch.where(valid, all_depth.gather(1, perm), 0)
+    scores[:, 1 : take + 1] = torch.where(valid, all_scores.gather(1, perm), float("-inf"))
+    # visibility by pointer jumping: L rounds, each adds the current ancestor of every node
+    vis = torch.eye(out_m, dtype=torch.bool, device=device).expand(r_count, -1, -1).clone()
+    rows = torch.arange(out_m, device=device).expand(r_count, -1)
+    anc = parents.clone()
+    for _ in range(n_depth):
+        has = anc >= 0
+        vis[batch, rows, anc.clamp(min=0)] |= has
+        anc = torch.where(has, parents.gather(1, anc.clamp(min=0)), anc)
+    return DraftTreeBatch(tokens, parents, depth, scores, vis, n_nodes)

@@ -1,0 +1,167 @@
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddtree.tree import build_tree, build_trees
+from ddtree.tree.reference import build_tree_ref, visibility_ref
+
+
+def _assert_same(tree, ref):
+    tokens, parents, depth, scores = ref
+    assert tree.tokens.tolist() == tokens.tolist()
+    assert tree.parents.tolist() == parents.tolist()
+    assert tree.depth.tolist() == depth.tolist()
+    assert np.array_equal(tree.scores.numpy(), scores)  # bit-exact
+    assert np.array_equal(tree.visibility.numpy(), visibility_ref(parents))
+
+
+def _sorted_lp(rng, n_depth, k, values=None):
+    if values is None:
+        lp = np.log(rng.dirichlet(np.ones(k * 2), size=n_depth)[:, :k]).astype(np.float32)
+    else:
+        lp = rng.choice(np.asarray(values, dtype=np.float32), size=(n_depth, k))
+    return torch.from_numpy(-np.sort(-lp, axis=1))
+
+
+def _tokens(rng, n_depth, k, vocab=50):
+    return torch.from_numpy(np.stack([rng.choice(vocab, k, replace=False) for _ in range(n_depth)]))
+
+
+def test_worked_example_from_the_docstring():
+    lp = torch.tensor([[-0.1, -2.0], [-0.5, -0.7]])
+    tok = torch.tensor([[7, 8], [3, 4]])
+    tree = build_tree(5, lp, tok, 3)
+    assert tree.tokens.tolist() == [5, 7, 3, 4]
+    assert tree.parents.tolist() == [-1, 0, 1, 1]
+    assert tree.depth.tolist() == [0, 1, 2, 2]
+
+
+def test_cross_depth_tie_goes_to_the_lexicographically_smaller_tuple():
+    # (0, 0) scores -1 + -1 = -2, the same as (1) = -2; (0, 0) < (1) lexicographically
+    lp = torch.tensor([[-1.0, -2.0], [-1.0, -3.0]])
+    tok = torch.tensor([[10, 11], [20, 21]])
+    tree = build_tree(0, lp, tok, 3)
+    assert tree.tokens.tolist() == [0, 10, 20, 11]
+    batch = build_trees(torch.tensor([0]), lp[None], tok[None], 3).tree(0)
+    assert batch.tokens.tolist() == [0, 10, 20, 11]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_both_builders_match_the_reference_on_random_inputs(seed):
+    rng = np.random.default_rng(seed)
+    n_depth, k, budget = rng.integers(1, 4), rng.integers(1, 4), int(rng.integers(0, 20))
+    values = None if seed % 2 else [0.0, -0.5, -1.0, -1.5, float("-inf")]
+    lp, tok = _sorted_lp(rng, n_depth, k, values), _tokens(rng, n_depth, k)
+    ref = build_tree_ref(3, lp.numpy(), tok.numpy(), budget)
+    _assert_same(build_tree(3, lp, tok, budget), ref)
+    _assert_same(build_trees(torch.tensor([3]), lp[None], tok[None], budget).tree(0), ref)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_depth=st.integers(1, 3),
+    k=st.integers(1, 3),
+    budget=st.integers(0, 40),
+    r=st.integers(1, 3),
+    data=st.data(),
+)
+def test_property_batched_equals_cpu_equals_reference(n_depth, k, budget, r, data):
+    # few distinct values -> many ties; -inf entries included; budgets beyond all nodes
+    vals = st.sampled_from([0.0, -0.25, -0.5, -1.0, -2.0, float("-inf")])
+    lps, toks, roots = [], [], []
+    for _ in range(r):
+        rows = [
+            sorted(data.draw(st.lists(vals, min_size=k, max_size=k)), reverse=True)
+            for _ in range(n_depth)
+        ]
+        lps.append(torch.tensor(rows, dtype=torch.float32))
+        perm = data.draw(st.permutations(list(range(2 * k))))
+        toks.append(torch.tensor([perm[:k]] * n_depth, dtype=torch.int64))
+        roots.append(data.draw(st.integers(0, 99)))
+    batch = build_trees(torch.tensor(roots), torch.stack(lps), torch.stack(toks), budget)
+    for i in range(r):
+        ref = build_tree_ref(roots[i], lps[i].numpy(), toks[i].numpy(), budget)
+        _assert_same(build_tree(roots[i], lps[i], toks[i], budget), ref)
+        _assert_same(batch.tree(i), ref)
+
+
+def _prefix_closed(nodes):
+    return all(n[:-1] in nodes or len(n) == 1 for n in nodes)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_oracle_builder_maximises_expected_accepted_length(seed):
+    """Among all prefix-closed trees of N nodes, the builder's maximises the sum of path
+    probabilities (the expected accepted length under factorised marginals)."""
+    rng = np.random.default_rng(100 + seed)
+    n_depth, k, budget = 2, 3, int(rng.integers(2, 6))
+    lp, tok = _sorted_lp(rng, n_depth, k), _tokens(rng, n_depth, k)
+    p = np.exp(lp.numpy().astype(np.float64))
+    candidates = [c for d in range(1, n_depth + 1) for c in itertools.product(range(k), repeat=d)]
+
+    def value(nodes):
+        return sum(math.prod(p[i, r] for i, r in enumerate(n)) for n in nodes)
+
+    best = max(
+        value(s) for s in itertools.combinations(candidates, budget) if _prefix_closed(set(s))
+    )
+    tree = build_tree(0, lp, tok, budget)
+    assert tree.n_nodes == budget + 1
+    assert value(rank_tuples(tree, tok)) == pytest.approx(best, rel=1e-12)
+
+
+def rank_tuples(tree, tok):
+    """Each node's rank tuple, read back from tokens (distinct ids per depth)."""
+    out = [()]
+    for i in range(1, tree.n_nodes):
+        d = int(tree.depth[i])
+        rank = tok[d - 1].tolist().index(int(tree.tokens[i]))
+        out.append(out[int(tree.parents[i])] + (rank,))
+    return out[1:]
+
+
+def test_order_is_non_increasing_and_parents_first():
+    rng = np.random.default_rng(7)
+    lp, tok = _sorted_lp(rng, 7, 16), _tokens(rng, 7, 16, vocab=1000)
+    tree = build_tree(1, lp, tok, 64)
+    assert tree.n_nodes == 65
+    assert (tree.scores[1:-1] >= tree.scores[2:]).all()
+    assert (tree.parents[1:] < torch.arange(1, 65)).all()
+    assert (tree.depth[1:] == tree.depth[tree.parents[1:]] + 1).all()
+
+
+def test_small_trees_when_few_nodes_exist():
+    lp = torch.tensor([[-0.1, float("-inf")]])
+    tree = build_tree(0, lp, torch.tensor([[1, 2]]), 10)
+    assert tree.tokens.tolist() == [0, 1]
+    assert build_tree(0, lp, torch.tensor([[1, 2]]), 0).n_nodes == 1
+    batch = build_trees(
+        torch.tensor([0, 4]), lp[None].repeat(2, 1, 1), torch.tensor([[[1, 2]]] * 2), 10
+    )
+    assert batch.n_nodes.tolist() == [2, 2]
+
+
+@pytest.mark.parametrize(
+    "lp, message",
+    [
+        (torch.tensor([[-0.1, float("nan")]]), "NaN"),
+        (torch.tensor([[-2.0, -0.1]]), "sorted descending"),
+    ],
+)
+def test_bad_input_is_a_clear_error(lp, message):
+    with pytest.raises(ValueError, match=message):
+        build_tree(0, lp, torch.tensor([[1, 2]]), 4)
+    with pytest.raises(ValueError, match=message):
+        build_trees(torch.tensor([0]), lp[None], torch.tensor([[[1, 2]]]), 4)
+
+
+def test_shape_mismatch_and_negative_budget():
+    with pytest.raises(ValueError, match="topk_tokens"):
+        build_tree(0, torch.zeros(2, 3), torch.zeros(2, 2, dtype=torch.int64), 4)
+    with pytest.raises(ValueError, match="budget"):
+        build_tree(0, torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64), -1)
