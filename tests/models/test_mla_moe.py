@@ -121,7 +121,6 @@ def make_tree(tokens: list[int], parents: list[int]) -> DraftTree:
         depth=torch.tensor(depth),
         scores=torch.zeros(m),
         visibility=vis,
-        child_table=torch.full((m, 1), -1),
     )
 
 
