@@ -3,7 +3,7 @@
 Inputs per request: the root token, per-depth top-K log-probs ``[L, K]`` sorted descending and
 their token ids ``[L, K]``, and a budget N. A node at depth d is a rank tuple ``(r_1, .., r_d)``
 (rank r_i in depth i's list) with path score ``lp[0, r_1] + .. + lp[d-1, r_d]``, accumulated in
-float32 from the root outwards. Every depth reuses the same ranked list whatever the parent.
+float64 from the root outwards (inputs are widened first; ``DraftTree.scores`` is float64). Every depth reuses the same ranked list whatever the parent.
 
 The tree is the N best rank tuples under the order: higher score first, ties broken by the
 lexicographically smaller rank tuple (a proper prefix is smaller than its extensions). Because
@@ -50,32 +50,12 @@ def check_topk(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: i
         raise ValueError("topk_logprobs must be sorted descending along the last dimension (K)")
 
 
-def tree_from_parents(
-    root_token: int,
-    tokens: torch.Tensor,  # [n] int64, non-root nodes in output order
-    parents: torch.Tensor,  # [n] int64, parent index in the full tree (root = 0)
-    depth: torch.Tensor,  # [n] int64
-    scores: torch.Tensor,  # [n] float32
-) -> DraftTree:
-    """Assemble a DraftTree (root prepended) and its ancestor-or-self visibility."""
-    device = tokens.device
-    m = tokens.shape[0] + 1
-    all_parents = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), parents])
-    visibility = torch.eye(m, dtype=torch.bool, device=device)
-    # Parents precede children, so row i = row parents[i] plus i itself; done depth by depth
-    # with one gather per depth instead of one per node.
-    all_depth = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), depth])
-    max_depth = int(all_depth.max()) if m > 1 else 0
-    for d in range(1, max_depth + 1):
-        rows = (all_depth == d).nonzero().squeeze(1)
-        visibility[rows] |= visibility[all_parents[rows]]
-    return DraftTree(
-        tokens=torch.cat([torch.tensor([root_token], dtype=torch.int64, device=device), tokens]),
-        parents=all_parents,
-        depth=all_depth,
-        scores=torch.cat([torch.zeros(1, dtype=torch.float32, device=device), scores]),
-        visibility=visibility,
-    )
+def _visibility_from_masks(masks: list[int], m: int) -> torch.Tensor:
+    """[M, M] bool from per-node ancestor-or-self bitmasks (bit j of masks[i]: j visible)."""
+    nbytes = (m + 7) // 8
+    raw = b"".join(x.to_bytes(nbytes, "little") for x in masks)
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8).reshape(m, nbytes), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :m].astype(bool))
 
 
 def build_tree(
@@ -89,38 +69,37 @@ def build_tree(
     assert topk_logprobs.dim() == 2, "build_tree takes one request [L, K]; see build_trees"
     n_depth, k = topk_logprobs.shape
     k = min(k, budget)  # rank >= budget has `budget` better siblings: never chosen
-    lp = topk_logprobs[:, :k].detach().to("cpu", torch.float32).numpy()
-    tok = topk_tokens[:, :k].detach().to("cpu", torch.int64).numpy()
-    out_tokens: list[int] = []
-    out_parents: list[int] = []
-    out_depth: list[int] = []
-    out_scores: list[np.float32] = []
-    heap: list[tuple[np.float32, tuple[int, ...], int]] = []
-    zero = np.float32(0.0)
-    if budget > 0 and n_depth > 0 and k > 0 and np.isfinite(lp[0, 0]):
-        heap.append((-(zero + lp[0, 0]), (0,), 0))
-    while heap and len(out_tokens) < budget:
-        neg_score, ranks, parent = heapq.heappop(heap)
-        node = len(out_tokens) + 1
+    # Python floats are float64: path scores accumulate in float64 (see module docstring)
+    lp = topk_logprobs[:, :k].detach().to("cpu", torch.float64).tolist()
+    tok = topk_tokens[:, :k].detach().to("cpu", torch.int64).tolist()
+    inf = float("inf")
+    tokens, parents, depth, scores, masks = [int(root_token)], [-1], [0], [0.0], [1]
+    heap: list[tuple[float, tuple[int, ...], int]] = []
+    if budget > 0 and n_depth > 0 and k > 0 and lp[0][0] > -inf:
+        heap.append((-lp[0][0], (0,), 0))
+    pop, push = heapq.heappop, heapq.heappush
+    while heap and len(tokens) <= budget:
+        neg_score, ranks, parent = pop(heap)
+        node = len(tokens)
         d = len(ranks)
         r = ranks[-1]
-        score = -neg_score
-        out_tokens.append(int(tok[d - 1, r]))
-        out_parents.append(parent)
-        out_depth.append(d)
-        out_scores.append(score)
-        if r + 1 < k and np.isfinite(lp[d - 1, r + 1]):
-            parent_score = out_scores[parent - 1] if parent > 0 else zero
-            sib = parent_score + lp[d - 1, r + 1]
-            heapq.heappush(heap, (-sib, ranks[:-1] + (r + 1,), parent))
-        if d < n_depth and np.isfinite(lp[d, 0]):
-            heapq.heappush(heap, (-(score + lp[d, 0]), ranks + (0,), node))
-    return tree_from_parents(
-        int(root_token),
-        torch.tensor(out_tokens, dtype=torch.int64),
-        torch.tensor(out_parents, dtype=torch.int64),
-        torch.tensor(out_depth, dtype=torch.int64),
-        torch.tensor(np.array(out_scores, dtype=np.float32)),
+        row = lp[d - 1]
+        tokens.append(tok[d - 1][r])
+        parents.append(parent)
+        depth.append(d)
+        scores.append(-neg_score)
+        masks.append(masks[parent] | (1 << node))
+        if r + 1 < k and row[r + 1] > -inf:
+            push(heap, (-(scores[parent] + row[r + 1]), ranks[:-1] + (r + 1,), parent))
+        if d < n_depth and lp[d][0] > -inf:
+            push(heap, (neg_score - lp[d][0], ranks + (0,), node))
+    m = len(tokens)
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.int64),
+        parents=torch.tensor(parents, dtype=torch.int64),
+        depth=torch.tensor(depth, dtype=torch.int64),
+        scores=torch.tensor(scores, dtype=torch.float64),
+        visibility=_visibility_from_masks(masks, m),
     )
 
 
@@ -132,7 +111,7 @@ class DraftTreeBatch:
     tokens: torch.Tensor  # [R, N+1] int64
     parents: torch.Tensor  # [R, N+1] int64
     depth: torch.Tensor  # [R, N+1] int64
-    scores: torch.Tensor  # [R, N+1] float32
+    scores: torch.Tensor  # [R, N+1] float64
     visibility: torch.Tensor  # [R, N+1, N+1] bool
     n_nodes: torch.Tensor  # [R] int64, real nodes per tree (root included)
 
@@ -169,13 +148,13 @@ def build_trees(
     r_count, n_depth, k = topk_logprobs.shape
     k = min(k, budget)
     n = budget
-    lp = topk_logprobs[:, :, :k].to(torch.float32)
+    lp = topk_logprobs[:, :, :k].to(torch.float64)
     tok = topk_tokens[:, :, :k].to(torch.int64)
     batch = torch.arange(r_count, device=device)[:, None]
 
     level_scores, level_ranks, level_parent, level_depth = [], [], [], []
     # depth 0: the root, score 0, no ranks; its "global id" is -1 (root)
-    parent_scores = torch.zeros(r_count, 1, dtype=torch.float32, device=device)
+    parent_scores = torch.zeros(r_count, 1, dtype=torch.float64, device=device)
     parent_ranks = torch.full((r_count, 1, n_depth), -1, dtype=torch.int64, device=device)
     parent_ids = torch.full((r_count, 1), -1, dtype=torch.int64, device=device)
     offset = 0
@@ -205,7 +184,7 @@ def build_trees(
     tokens[:, 0] = root_tokens.to(device=device, dtype=torch.int64)
     parents = torch.full((r_count, out_m), -1, dtype=torch.int64, device=device)
     depth = torch.zeros(r_count, out_m, dtype=torch.int64, device=device)
-    scores = torch.full((r_count, out_m), float("-inf"), dtype=torch.float32, device=device)
+    scores = torch.full((r_count, out_m), float("-inf"), dtype=torch.float64, device=device)
     scores[:, 0] = 0.0
     if offset == 0:
         n_nodes = torch.ones(r_count, dtype=torch.int64, device=device)

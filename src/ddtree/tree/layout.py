@@ -14,24 +14,28 @@ from ddtree.tree.types import DraftTree
 class VerifyLayout:
     position_ids: torch.Tensor  # [M] int64, start + depth
     attn_mask: torch.Tensor  # [1, 1, M, start + M] additive float: 0 visible, finfo.min hidden
-    ancestor_bits: torch.Tensor  # [M, ceil(M / 64)] int64, bit j%64 of word j//64: j visible
+    parents: torch.Tensor  # [M] int64, the compact form for kernels that walk ancestors
+    visibility: torch.Tensor  # [M, M] bool
+
+    def ancestor_bits(self) -> torch.Tensor:
+        """[M, ceil(M / 64)] int64 packed visibility (see ``pack_bits``), built on demand: the
+        additive mask is what most forwards take."""
+        return pack_bits(self.visibility)
 
 
 def pack_bits(visibility: torch.Tensor) -> torch.Tensor:
     """[M, M] bool -> [M, ceil(M/64)] int64 words, bit (j % 64) of word (j // 64) = row[j].
 
-    Example: a row [True, False, True] packs to the word 0b101 = 5.
+    Example: a row [True, False, True] packs to the word 0b101 = 5. Bytes are packed little
+    endian and reinterpreted as int64 words (bit 63 lands in the sign bit).
     """
-    m = visibility.shape[-1]
+    lead, m = visibility.shape[:-1], visibility.shape[-1]
     words = (m + 63) // 64
-    padded = torch.zeros(
-        visibility.shape[:-1] + (words * 64,), dtype=torch.int64, device=visibility.device
-    )
-    padded[..., :m] = visibility.to(torch.int64)
-    weights = torch.ones(64, dtype=torch.int64, device=visibility.device) << torch.arange(
-        64, device=visibility.device
-    )  # bit 63 wraps to the sign bit, which int64 arithmetic keeps exactly
-    return (padded.view(visibility.shape[:-1] + (words, 64)) * weights).sum(-1)
+    padded = torch.zeros(lead + (words * 64,), dtype=torch.uint8, device=visibility.device)
+    padded[..., :m] = visibility
+    byte_weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=visibility.device)
+    packed = (padded.view(lead + (words * 8, 8)) * byte_weights).sum(-1, dtype=torch.uint8)
+    return packed.view(torch.int64)
 
 
 def verify_layout(tree: DraftTree, start: int, dtype: torch.dtype = torch.float32) -> VerifyLayout:
@@ -40,13 +44,13 @@ def verify_layout(tree: DraftTree, start: int, dtype: torch.dtype = torch.float3
         raise ValueError(f"start must be >= 0, got {start}")
     m = tree.n_nodes
     device = tree.tokens.device
-    hidden = torch.finfo(dtype).min
     mask = torch.zeros(1, 1, m, start + m, dtype=dtype, device=device)
-    mask[0, 0, :, start:] = torch.where(tree.visibility, 0.0, hidden).to(dtype)
+    mask[0, 0, :, start:].masked_fill_(~tree.visibility, torch.finfo(dtype).min)
     return VerifyLayout(
         position_ids=start + tree.depth,
         attn_mask=mask,
-        ancestor_bits=pack_bits(tree.visibility),
+        parents=tree.parents,
+        visibility=tree.visibility,
     )
 
 

@@ -9,39 +9,39 @@ import numpy as np
 
 
 def build_tree_ref(root_token: int, lp: np.ndarray, tok: np.ndarray, budget: int):
-    """Enumerate every rank tuple, score it in float32 from the root outwards, sort by
+    """Enumerate every rank tuple, score it in float64 from the root outwards, sort by
     (score desc, rank tuple asc), keep the first ``budget`` finite ones.
 
-    Returns (tokens [M], parents [M], depth [M], scores [M] float32). Exponential: small inputs.
+    Returns (tokens [M], parents [M], depth [M], scores [M] float64). Exponential: small inputs.
     """
-    lp = np.asarray(lp, dtype=np.float32)
+    lp = np.asarray(lp, dtype=np.float64)
     n_depth, k = lp.shape
     nodes = []
     for d in range(1, n_depth + 1):
         for ranks in itertools.product(range(k), repeat=d):
-            score = np.float32(0.0)
+            score = np.float64(0.0)
             for i, r in enumerate(ranks):
-                score = np.float32(score + lp[i, r])
+                score = np.float64(score + lp[i, r])
             if np.isfinite(score):
                 nodes.append((-score, ranks))
     nodes.sort()
     chosen = [ranks for _, ranks in nodes[:budget]]
     index = {(): 0}
-    tokens, parents, depth, scores = [int(root_token)], [-1], [0], [np.float32(0.0)]
+    tokens, parents, depth, scores = [int(root_token)], [-1], [0], [np.float64(0.0)]
     for ranks in chosen:
         index[ranks] = len(tokens)
         tokens.append(int(tok[len(ranks) - 1, ranks[-1]]))
         parents.append(index[ranks[:-1]])
         depth.append(len(ranks))
-        s = np.float32(0.0)
+        s = np.float64(0.0)
         for i, r in enumerate(ranks):
-            s = np.float32(s + lp[i, r])
+            s = np.float64(s + lp[i, r])
         scores.append(s)
     return (
         np.array(tokens, dtype=np.int64),
         np.array(parents, dtype=np.int64),
         np.array(depth, dtype=np.int64),
-        np.array(scores, dtype=np.float32),
+        np.array(scores, dtype=np.float64),
     )
 
 

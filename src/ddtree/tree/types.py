@@ -21,7 +21,7 @@ class DraftTree:
     tokens: torch.Tensor  # [M] int64, token id of each node; tokens[0] is the root token
     parents: torch.Tensor  # [M] int64, parent node index; parents[0] == -1
     depth: torch.Tensor  # [M] int64, depth of each node; depth[0] == 0
-    scores: torch.Tensor  # [M] float32, path log-prob from the root; scores[0] == 0
+    scores: torch.Tensor  # [M] float64, path log-prob from the root; scores[0] == 0
     visibility: torch.Tensor  # [M, M] bool, visibility[i, j]: j is an ancestor of i or i itself
 
     # Acceptance finds "the child of i whose token is t" without a child table: siblings carry
