@@ -5,7 +5,7 @@ Sequence bookkeeping (batch of one request):
 - The target's KV cache holds ``seq_len`` committed tokens. The root of the next tree is the
   last committed token *not yet in the cache*: the previous step's bonus token, or after
   ``prefill(prompt)`` the target's own token after the last prompt position.
-- ``verify(tree)`` runs one forward over the tree's ``M`` tokens at positions
+- ``verify(tree, layout)`` runs one forward over the tree's ``M`` tokens at positions
   ``seq_len + depth`` with an ancestor-only mask over the tree and full view of the prefix;
   their KV entries are appended provisionally.
 - ``commit(accepted)`` keeps the KV entries of the accepted nodes (root first) at
@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ddtree.tree.layout import VerifyLayout
 from ddtree.tree.types import DraftTree
 
 
@@ -62,8 +63,10 @@ class Target(Protocol):
     def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
         """``input_ids`` [T] int64: append T tokens to the cache (all committed)."""
 
-    def verify(self, tree: DraftTree) -> TargetOutput:
-        """One forward over the tree's M tokens; returns logits [M, V] and hidden [M, F]."""
+    def verify(self, tree: DraftTree, layout: VerifyLayout | None = None) -> TargetOutput:
+        """One forward over the tree's M tokens; returns logits [M, V] and hidden [M, F].
+        ``layout`` is ``verify_layout(tree, seq_len, dtype)`` when the caller built it (the
+        engine does, to time it as its own stage); None builds it here."""
 
     def commit(self, accepted: torch.Tensor) -> None:
         """``accepted`` [tau] int64 node indices of the last verified tree, root first."""

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.base import ModelInfo, TargetOutput
+from ddtree.tree.layout import VerifyLayout, compaction_indices, verify_layout
 from ddtree.tree.types import DraftTree
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -553,16 +554,6 @@ def causal_mask(start: int, m: int, dtype: torch.dtype, device=None) -> torch.Te
     return mask
 
 
-def _tree_layout(
-    tree: DraftTree, start: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(position_ids [M], attn_mask [1,1,M,start+M]): prefix visible, tree ancestor-only."""
-    m = tree.n_nodes
-    mask = torch.zeros(1, 1, m, start + m, dtype=dtype)
-    mask[0, 0, :, start:].masked_fill_(~tree.visibility, torch.finfo(dtype).min)
-    return start + tree.depth, mask
-
-
 class MlaMoeTarget:
     """The ``Target`` protocol over :class:`MlaMoeModel` with a latent KV cache (batch of 1)."""
 
@@ -666,9 +657,11 @@ class MlaMoeTarget:
         return out
 
     @torch.inference_mode()
-    def verify(self, tree: DraftTree) -> TargetOutput:
+    def verify(self, tree: DraftTree, layout: VerifyLayout | None = None) -> TargetOutput:
         m = tree.n_nodes
-        positions, mask = _tree_layout(tree, self.seq_len, self.dtype)
+        if layout is None:
+            layout = verify_layout(tree, self.seq_len, self.dtype)
+        positions, mask = layout.position_ids, layout.attn_mask
         self._check_positions(int(positions.max()) + 1, f"tree of depth {int(tree.depth.max())}")
         out = self._forward(
             tree.tokens.to(self.device), positions.to(self.device), mask.to(self.device)
@@ -686,10 +679,8 @@ class MlaMoeTarget:
             raise ValueError(
                 f"accepted {accepted.tolist()}: expected root 0 first, ids < {self._pending}"
             )
-        start = self.seq_len
-        src = (start + accepted).to(self.device)
-        dst = torch.arange(start, start + tau, device=self.device)
-        self.cache.compact(src, dst, start + tau)
+        plan = compaction_indices(accepted.to(self.device), self.seq_len)
+        self.cache.compact(plan.src, plan.dst, plan.new_len)
         self._pending = 0
 
     # --- internals ------------------------------------------------------------------------
