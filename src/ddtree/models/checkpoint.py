@@ -1,0 +1,198 @@
+"""Checkpoint directories in the Hugging Face layout: ``config.json`` + safetensors.
+
+A checkpoint directory holds ``config.json`` and either one ``model.safetensors`` or shards
+listed by ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``).
+Pickled weights (``*.bin``, ``*.pt``, ``*.pth``) are refused: unpickling runs arbitrary code.
+Every error is a :class:`CheckpointError` that names the file (and the tensor or field).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# How many names an error message lists before "... and N more".
+MAX_NAMES_SHOWN = 8
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded as asked (names the file and tensor)."""
+
+
+def read_config(path: str | Path) -> dict:
+    """The ``config.json`` of a checkpoint directory (or the path of the file itself)."""
+    path = Path(path)
+    file = path if path.suffix == ".json" else path / CONFIG_NAME
+    if not file.is_file():
+        what = "directory does not exist" if not path.exists() else "file not found"
+        raise CheckpointError(f"{file}: {what}; expected a checkpoint directory with {CONFIG_NAME}")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{file}: invalid JSON at line {err.lineno}: {err.msg}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def load_safetensors(path: str | Path, device: str | torch.device = "cpu") -> dict:
+    """All tensors of a checkpoint: ``{name: tensor}``.
+
+    ``path`` is a directory (sharded index, ``model.safetensors``, or a single ``*.safetensors``
+    file) or a ``.safetensors`` file.
+    """
+    path = Path(path)
+    if path.is_file():
+        if path.suffix in PICKLE_SUFFIXES:
+            raise _pickle_error(path)
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{path}: expected a .safetensors file")
+        return _load_file(path, device)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    index = path / INDEX_NAME
+    if index.is_file():
+        return _load_sharded(index, device)
+    single = path / WEIGHTS_NAME
+    if single.is_file():
+        return _load_file(single, device)
+    found = sorted(path.glob("*.safetensors"))
+    if len(found) == 1:
+        return _load_file(found[0], device)
+    if len(found) > 1:
+        raise CheckpointError(
+            f"{path}: {len(found)} .safetensors files ({_names([f.name for f in found])}) but "
+            f"no {INDEX_NAME} saying which tensor is in which"
+        )
+    pickles = sorted(f for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise _pickle_error(pickles[0])
+    raise CheckpointError(f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME} found")
+
+
+def _pickle_error(file: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{file}: pickled weights are refused (loading a pickle can run arbitrary code); "
+        f"convert the checkpoint to safetensors (e.g. load it once in a trusted environment and "
+        f"save with save_pretrained(..., safe_serialization=True))"
+    )
+
+
+def _load_file(file: Path, device) -> dict:
+    try:
+        return load_file(file, device=str(device))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
+
+
+def _load_sharded(index: Path, device) -> dict:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{index}: invalid JSON at line {err.lineno}: {err.msg}") from None
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{index}: missing field weight_map") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: field weight_map must map tensor names to shard files")
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard, names in by_shard.items():
+        file = index.parent / shard
+        if Path(shard).suffix in PICKLE_SUFFIXES:
+            raise _pickle_error(file)
+        if not file.is_file():
+            raise CheckpointError(
+                f"{index}: shard {shard} (holding {_names(names)}) not found at {file}"
+            )
+        loaded = _load_file(file, device)
+        missing = [n for n in names if n not in loaded]
+        if missing:
+            raise CheckpointError(
+                f"{file}: tensors listed in {index.name} are absent: {_names(missing)}"
+            )
+        for name in names:
+            tensors[name] = loaded[name]
+    return tensors
+
+
+def match_state_dict(
+    expected: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor], source: str
+) -> None:
+    """Check checkpoint tensor names and shapes against those the config implies.
+
+    ``expected`` maps names to shapes built from ``config.json``; ``source`` names the
+    checkpoint in the error. Raises :class:`CheckpointError` listing every missing tensor,
+    unexpected tensor and shape mismatch at once.
+    """
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    mismatched = [
+        f"{name} {tuple(tensors[name].shape)} in the checkpoint, {tuple(shape)} from {CONFIG_NAME}"
+        for name, shape in sorted(expected.items())
+        if name in tensors and tuple(tensors[name].shape) != tuple(shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_names(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {_names(mismatched)}")
+    if problems:
+        raise CheckpointError(f"{source}: " + "; ".join(problems))
+
+
+def save_safetensors(path: str | Path, state_dict: dict, config: dict) -> list[str]:
+    """Write ``config.json`` and ``model.safetensors`` into directory ``path``.
+
+    Tensors are moved to CPU and made contiguous. A tensor that is the same view of the same
+    storage as an earlier one (tied weights, e.g. ``lm_head.weight`` tied to the embedding) is
+    written once under the earlier name, as transformers does; a partial overlap is copied.
+    Returns the names written.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    seen: dict[tuple, str] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"{path}: state_dict[{name!r}] is not a tensor")
+        key = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.stride(),
+            tensor.dtype,
+        )
+        if tensor.numel() and key in seen:
+            continue  # an alias of seen[key]
+        seen[key] = name
+        out[name] = tensor.detach().to("cpu").contiguous()
+    # contiguous() keeps the storage when already contiguous: clone what still overlaps
+    ptrs: dict[int, str] = {}
+    for name, tensor in out.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and ptr in ptrs:
+            out[name] = tensor.clone()
+        else:
+            ptrs[ptr] = name
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(out, path / WEIGHTS_NAME, metadata={"format": "pt"})
+    return list(out)
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:MAX_NAMES_SHOWN])
+    more = len(names) - MAX_NAMES_SHOWN
+    return shown + (f" ... and {more} more" if more > 0 else "")
