@@ -1,0 +1,135 @@
+"""`ddtree bench bandwidth`: memory bandwidth of this machine (CPU, and CUDA when present)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _methods(text: str) -> list[str]:
+    from ddtree.bench.bandwidth import METHODS
+
+    names = [x for x in text.split(",") if x]
+    bad = [n for n in names if n not in METHODS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown method(s) {', '.join(bad) or text!r}; expected some of {', '.join(METHODS)}"
+        )
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: the CPU, and CUDA when torch sees it (default auto)",
+    )
+    p.add_argument(
+        "--methods",
+        type=_methods,
+        default=["copy", "read"],
+        help="copy,read,write (default copy,read)",
+    )
+    p.add_argument(
+        "--sizes-mib",
+        type=_ints,
+        default=[256],
+        help="buffer sizes in MiB, well above the last-level cache (default 256)",
+    )
+    p.add_argument("--repeats", type=int, default=10, help="timed samples per point (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed samples first (default 2)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--records", help="append bench_bandwidth measurement records to this JSONL file"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from ddtree.bench.bandwidth import (
+        MIB,
+        bench_bandwidth,
+        last_level_cache_bytes,
+        resolve_devices,
+        to_records,
+    )
+    from ddtree.records import HardwareInfo, write_records
+
+    if args.repeats < 1:
+        print(f"--repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    try:
+        devices = resolve_devices(args.device)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    llc = last_level_cache_bytes()
+    console = Console()
+    llc_text = f"LLC {llc / MIB:.0f} MiB" if llc else "LLC unknown"
+    table = Table(
+        title=f"ddtree bench bandwidth ({threads} CPU threads, {llc_text}; 1 GB/s = 1e9 B/s)"
+    )
+    for col in ("device", "method", "buffer MiB", "bytes/call", "median ms", "GB/s", "p10", "p90"):
+        table.add_column(col, justify="right")
+    points = []
+    sizes = [mib * MIB for mib in args.sizes_mib]
+    with console.status("timing...") as status:
+        for pt in bench_bandwidth(devices, args.methods, sizes, args.repeats, args.warmup):
+            status.update(f"{pt.device} {pt.method} {pt.buffer_bytes // MIB} MiB")
+            points.append(pt)
+            small = pt.device == "cpu" and llc is not None and pt.buffer_bytes < 4 * llc
+            table.add_row(
+                pt.device,
+                pt.method,
+                f"{pt.buffer_bytes / MIB:.0f}" + (" (< 4x LLC)" if small else ""),
+                f"{pt.bytes // pt.calls // pt.buffer_bytes}x",
+                f"{pt.seconds / pt.calls * 1e3:.2f}",
+                f"{pt.bytes_per_s / 1e9:.1f}",
+                f"{pt.bytes_per_s_p10 / 1e9:.1f}",
+                f"{pt.bytes_per_s_p90 / 1e9:.1f}",
+            )
+    console.print(table)
+    hw = HardwareInfo.collect()
+    config = {
+        "threads": threads,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "statistic": "median",
+        "llc_bytes": llc,
+    }
+    records = to_records(points, hw, config)
+    print(
+        json.dumps(
+            {
+                "bench": "bandwidth",
+                "hardware": hw.label,
+                **config,
+                "summary": [{**r.config, **r.summary} for r in records],
+                "points": [p.as_dict() for p in points],
+            }
+        )
+    )
+    if args.records:
+        write_records(args.records, records)
+    return 0
