@@ -1,0 +1,127 @@
+import pytest
+
+from ddtree.perf import units as u
+from ddtree.perf.catalog import CatalogError, hardware_from_dict, load_catalog
+from ddtree.perf.model import PRESETS, ModelError, load_model, shape_from_config
+
+
+@pytest.mark.parametrize(
+    "text,dim,value",
+    [
+        ("8 TB/s", u.BANDWIDTH, 8e12),
+        ("1.8 TB/s", u.BANDWIDTH, 1.8e12),
+        ("900 GB/s", u.BANDWIDTH, 9e11),
+        ("14.5 ms", u.STEP_TIME, 0.0145),
+        ("14.5 ms/step", u.STEP_TIME, 0.0145),
+        ("303 tok/s", u.TOKEN_RATE, 303.0),
+        ("2.2 PFLOP/s", u.FLOP_RATE, 2.2e15),
+        ("989 TFLOPS", u.FLOP_RATE, 9.89e14),
+        ("96 GB", u.BYTES, 96e9),
+        ("275040 MiB", u.BYTES, 275040 * 2**20),
+        ("3 µs", u.TIME, 3e-6),
+        ("3 us", u.TIME, 3e-6),
+        (4.4, u.TOKENS_PER_STEP, 4.4),
+        ("70%", u.NUMBER, 0.7),
+    ],
+)
+def test_parse_quantities_in_si(text, dim, value):
+    assert u.parse_quantity(text, dim, "f") == pytest.approx(value, rel=1e-12)
+
+
+def test_tera_is_decimal():
+    assert u.parse_quantity("1 TB", u.BYTES, "f") == 1e12
+    assert u.parse_quantity("1 TiB", u.BYTES, "f") == 2.0**40
+
+
+@pytest.mark.parametrize(
+    "text,dim,needle",
+    [
+        ("3.3 ms/tok", u.STEP_TIME, "per token"),
+        ("8 TB", u.BANDWIDTH, "expected a bandwidth"),
+        (8, u.BANDWIDTH, "unit written out"),
+        ("8 Tb/s", u.BANDWIDTH, "bits"),
+        ("fast", u.BANDWIDTH, "cannot read"),
+        ("303 tok/s", u.STEP_TIME, "expected a time per step"),
+    ],
+)
+def test_wrong_dimension_is_an_error_naming_the_field(text, dim, needle):
+    with pytest.raises(u.UnitError) as exc:
+        u.parse_quantity(text, dim, "scenario.toml: hardware.x.hbm_bandwidth")
+    assert "scenario.toml: hardware.x.hbm_bandwidth" in str(exc.value)
+    assert needle in str(exc.value)
+
+
+def test_format_round_trip():
+    assert u.format_quantity(8e12, u.BANDWIDTH) == "8 TB/s"
+    assert u.format_quantity(0.0145, u.TIME) == "14.5 ms"
+    assert u.parse_quantity(u.format_quantity(2.25e15, u.FLOP_RATE), u.FLOP_RATE, "f") == 2.25e15
+
+
+def test_catalog_has_every_gpu_with_a_source_for_every_figure():
+    cat = load_catalog()
+    want = {"rtx-pro-6000", "h100-sxm", "h200", "b200", "b300", "gb300", "mi300x", "mi355x"}
+    assert want <= set(cat)
+    for key, hw in cat.items():
+        figures = ["hbm_bandwidth", "memory", "link_bandwidth", "allreduce_latency"]
+        figures += [f"{p}_dense" for p in hw.dense_flops] + [f"{p}_sparse" for p in hw.sparse_flops]
+        for f in figures:
+            prov = hw.provenance[f]
+            assert prov.kind in ("catalog", "assumed"), (key, f)
+            assert prov.source, (key, f)
+        assert hw.hbm_bytes_per_s > 1e12 and hw.dense_flops["bf16"] > 1e14
+
+
+def test_dense_and_sparse_kept_apart():
+    cat = load_catalog()
+    assert cat["b300"].dense_flops["fp4"] == pytest.approx(13.125e15)
+    assert cat["b300"].sparse_flops["fp4"] == pytest.approx(18e15)
+    h100 = cat["h100-sxm"]
+    assert h100.dense_flops["bf16"] * 2 == pytest.approx(h100.sparse_flops["bf16"], rel=1e-3)
+    # an int4 weight-only kernel computes in bf16: no fp4 figure on H100 -> fp8 -> bf16 fallback
+    assert cat["h100-sxm"].peak_flops("fp4") == cat["h100-sxm"].dense_flops["fp8"]
+
+
+def test_user_hardware_overrides_a_base_and_is_labelled_user():
+    base = load_catalog()["b300"]
+    hw = hardware_from_dict(
+        "b300-slow", {"hbm_bandwidth": "6 TB/s"}, "s.toml", base=base, default_kind="user"
+    )
+    assert hw.hbm_bytes_per_s == 6e12 and hw.dense_flops == base.dense_flops
+    assert hw.provenance["hbm_bandwidth"].kind == "user"
+    with pytest.raises(CatalogError, match=r"s.toml: hardware.x.hbm_bandwidth.*bandwidth"):
+        hardware_from_dict("x", {"hbm_bandwidth": "6 TB", "bf16_dense": "1 PFLOP/s"}, "s.toml")
+    with pytest.raises(CatalogError, match="unknown field"):
+        hardware_from_dict("x", {"hbm_bw": "6 TB/s"}, "s.toml")
+
+
+def test_presets_match_reference_arithmetic():
+    k2t = PRESETS["kimi-k2-thinking"]
+    assert k2t.expert_params == 3 * 7168 * 2048
+    assert k2t.attention_params_per_layer == pytest.approx(101.1e6, rel=1e-3)
+    assert k2t.active_params() == pytest.approx(31.5e9, rel=0.01)
+    assert k2t.bytes_per_param("routed_experts") == 0.5625
+    assert k2t.bytes_per_param("attention") == 2.0
+    assert PRESETS["deepseek-v3"].active_params() == pytest.approx(36.5e9, rel=0.01)
+
+
+def test_shape_from_hf_config(tmp_path):
+    cfg = {
+        "model_type": "qwen3",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 1000,
+        "torch_dtype": "float32",
+    }
+    (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
+    shape = load_model({"config": str(tmp_path)}, "s.toml")
+    assert shape.attention == "gqa" and shape.num_moe_layers == 0
+    assert shape.kv_bytes_per_token_layer() == 2 * 2 * 16 * 4
+    assert shape.attention_params_per_layer == 64 * 16 * (4 + 4) + 4 * 16 * 64
+    with pytest.raises(ModelError, match="lacks field 'vocab_size'"):
+        shape_from_config({k: v for k, v in cfg.items() if k != "vocab_size"})
+    with pytest.raises(ModelError, match="model.preset"):
+        load_model({"preset": "gpt-9"}, "s.toml")
