@@ -165,3 +165,18 @@ def test_shape_mismatch_and_negative_budget():
         build_tree(0, torch.zeros(2, 3), torch.zeros(2, 2, dtype=torch.int64), 4)
     with pytest.raises(ValueError, match="budget"):
         build_tree(0, torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64), -1)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_candidate_pruning_is_exact_with_wide_k_and_ties(seed):
+    # the batched builder only scores (parent rank i, child rank j) with (i+1)(j+1) <= N;
+    # wide K, budgets below P*K and many ties exercise that bound
+    rng = np.random.default_rng(100 + seed)
+    n_depth, k, budget = 4, 8, int(rng.integers(1, 40))
+    values = [0.0, -0.5, -1.0, -1.5, float("-inf")] if seed % 2 else None
+    lps = torch.stack([_sorted_lp(rng, n_depth, k, values) for _ in range(3)])
+    toks = torch.stack([_tokens(rng, n_depth, k) for _ in range(3)])
+    batch = build_trees(torch.tensor([1, 2, 3]), lps, toks, budget)
+    for i in range(3):
+        ref = build_tree_ref(i + 1, lps[i].numpy(), toks[i].numpy(), budget)
+        _assert_same(batch.tree(i), ref)

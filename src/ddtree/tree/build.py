@@ -23,6 +23,7 @@ Node ordering is the output order: node 0 is the root; nodes follow in that orde
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 
@@ -54,7 +55,9 @@ def _visibility_from_masks(masks: list[int], m: int) -> torch.Tensor:
     """[M, M] bool from per-node ancestor-or-self bitmasks (bit j of masks[i]: j visible)."""
     nbytes = (m + 7) // 8
     raw = b"".join(x.to_bytes(nbytes, "little") for x in masks)
-    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8).reshape(m, nbytes), axis=1, bitorder="little")
+    bits = np.unpackbits(
+        np.frombuffer(raw, dtype=np.uint8).reshape(m, nbytes), axis=1, bitorder="little"
+    )
     return torch.from_numpy(bits[:, :m].astype(bool))
 
 
@@ -127,6 +130,21 @@ class DraftTreeBatch:
         )
 
 
+@functools.lru_cache(maxsize=256)
+def _candidate_pairs_cpu(p: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    i = torch.arange(p)[:, None].expand(p, k)
+    j = torch.arange(k)[None, :].expand(p, k)
+    ok = (i + 1) * (j + 1) <= n
+    return i[ok].contiguous(), j[ok].contiguous()
+
+
+def _candidate_pairs(p: int, k: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static (parent score rank i, child rank j) pairs with (i + 1) * (j + 1) <= n: they depend
+    only on shapes, so there is no host synchronisation."""
+    i, j = _candidate_pairs_cpu(p, k, n)
+    return i.to(device), j.to(device)
+
+
 def build_trees(
     root_tokens: torch.Tensor,  # [R] int64
     topk_logprobs: torch.Tensor,  # [R, L, K] float, sorted descending per depth
@@ -160,13 +178,23 @@ def build_trees(
     offset = 0
     for d in range(n_depth if n > 0 and k > 0 else 0):
         p = parent_scores.shape[1]
-        child = parent_scores[:, :, None] + lp[:, d, None, :]  # [R, P, K]
-        child = child.reshape(r_count, p * k)
         keep = min(n, p * k)
-        # stable sort on score desc keeps lexicographic order among ties
-        order = torch.sort(child, dim=1, descending=True, stable=True).indices[:, :keep]
-        order = torch.sort(order, dim=1).values  # back to lexicographic order
-        scores = child.gather(1, order)  # [R, keep]
+        # Candidates: the parent ranked i-th by score (0-based) can only place its j-th child in
+        # the level's top N if (i + 1) * (j + 1) <= N; otherwise N children of better-or-equal
+        # parents with better-or-equal ranks outrank it (ties included). Example N = 4, K = 4:
+        # pairs (0,0..3), (1,0..1), (2,0), (3,0): 8 candidates instead of P * K = 16.
+        pi, pj = _candidate_pairs(p, k, n, device)  # [C] each
+        by_score = torch.sort(parent_scores, dim=1, descending=True, stable=True).indices
+        cand_parent = by_score[:, pi]  # [R, C] parent's index in lexicographic order
+        cand_lex = cand_parent * k + pj  # [R, C] position in the lexicographic (parent, rank) grid
+        cand_score = parent_scores.gather(1, cand_parent) + lp[:, d, pj]  # [R, C]
+        # lexicographic order first, so the stable score sort breaks ties by rank tuple
+        lex_order = torch.sort(cand_lex, dim=1).indices
+        cand_lex, cand_score = cand_lex.gather(1, lex_order), cand_score.gather(1, lex_order)
+        best = torch.sort(cand_score, dim=1, descending=True, stable=True).indices[:, :keep]
+        best = torch.sort(best, dim=1).values  # back to lexicographic order
+        order = cand_lex.gather(1, best)  # [R, keep] flat (parent, rank) ids
+        scores = cand_score.gather(1, best)  # [R, keep]
         par = order // k
         rank = order % k
         ranks = parent_ranks.gather(1, par[:, :, None].expand(-1, -1, n_depth)).clone()

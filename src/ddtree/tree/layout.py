@@ -33,7 +33,9 @@ def pack_bits(visibility: torch.Tensor) -> torch.Tensor:
     words = (m + 63) // 64
     padded = torch.zeros(lead + (words * 64,), dtype=torch.uint8, device=visibility.device)
     padded[..., :m] = visibility
-    byte_weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=visibility.device)
+    byte_weights = torch.tensor(
+        [1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=visibility.device
+    )
     packed = (padded.view(lead + (words * 8, 8)) * byte_weights).sum(-1, dtype=torch.uint8)
     return packed.view(torch.int64)
 
