@@ -228,3 +228,15 @@ def test_save_then_mla_moe_load(tmp_path, hf_deepseek):
     with torch.no_grad():
         ref = hf_deepseek(ids[None]).logits[0]
     assert (target.prefill(ids).logits - ref).abs().max().item() <= TOL
+
+
+def test_weight_files_without_reading(tmp_path, hf_deepseek):
+    from ddtree.models.checkpoint import weight_files
+
+    hf_deepseek.save_pretrained(tmp_path / "many", max_shard_size="40KB")
+    files = weight_files(tmp_path / "many")
+    assert len(files) > 1 and all(f.suffix == ".safetensors" and f.is_file() for f in files)
+    hf_deepseek.save_pretrained(tmp_path / "one")
+    assert weight_files(tmp_path / "one") == [tmp_path / "one" / "model.safetensors"]
+    with pytest.raises(CheckpointError, match=r"expected a \.safetensors file"):
+        weight_files(tmp_path / "one" / "config.json")

@@ -43,11 +43,11 @@ def read_config(path: str | Path) -> dict:
     return config
 
 
-def load_safetensors(path: str | Path, device: str | torch.device = "cpu") -> dict:
-    """All tensors of a checkpoint: ``{name: tensor}``.
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint, found and checked without reading tensors.
 
     ``path`` is a directory (sharded index, ``model.safetensors``, or a single ``*.safetensors``
-    file) or a ``.safetensors`` file.
+    file) or a ``.safetensors`` file. Refuses pickles; names a missing shard.
     """
     path = Path(path)
     if path.is_file():
@@ -55,18 +55,18 @@ def load_safetensors(path: str | Path, device: str | torch.device = "cpu") -> di
             raise _pickle_error(path)
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{path}: expected a .safetensors file")
-        return _load_file(path, device)
+        return [path]
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
     index = path / INDEX_NAME
     if index.is_file():
-        return _load_sharded(index, device)
+        return [path / shard for shard in _read_index(index)]
     single = path / WEIGHTS_NAME
     if single.is_file():
-        return _load_file(single, device)
+        return [single]
     found = sorted(path.glob("*.safetensors"))
     if len(found) == 1:
-        return _load_file(found[0], device)
+        return found
     if len(found) > 1:
         raise CheckpointError(
             f"{path}: {len(found)} .safetensors files ({_names([f.name for f in found])}) but "
@@ -76,6 +76,27 @@ def load_safetensors(path: str | Path, device: str | torch.device = "cpu") -> di
     if pickles:
         raise _pickle_error(pickles[0])
     raise CheckpointError(f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME} found")
+
+
+def load_safetensors(path: str | Path, device: str | torch.device = "cpu") -> dict:
+    """All tensors of a checkpoint: ``{name: tensor}`` (see :func:`weight_files`)."""
+    path = Path(path)
+    files = weight_files(path)
+    index = path / INDEX_NAME
+    if not (path.is_dir() and index.is_file()):
+        return _load_file(files[0], device)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard, names in _read_index(index).items():
+        file = path / shard
+        loaded = _load_file(file, device)
+        missing = [n for n in names if n not in loaded]
+        if missing:
+            raise CheckpointError(
+                f"{file}: tensors listed in {index.name} are absent: {_names(missing)}"
+            )
+        for name in names:
+            tensors[name] = loaded[name]
+    return tensors
 
 
 def _pickle_error(file: Path) -> CheckpointError:
@@ -93,7 +114,8 @@ def _load_file(file: Path, device) -> dict:
         raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
 
 
-def _load_sharded(index: Path, device) -> dict:
+def _read_index(index: Path) -> dict[str, list[str]]:
+    """``{shard file: [tensor names]}`` from a sharded index; every shard checked to exist."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except json.JSONDecodeError as err:
@@ -105,7 +127,6 @@ def _load_sharded(index: Path, device) -> dict:
     by_shard: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
         by_shard.setdefault(shard, []).append(name)
-    tensors: dict[str, torch.Tensor] = {}
     for shard, names in by_shard.items():
         file = index.parent / shard
         if Path(shard).suffix in PICKLE_SUFFIXES:
@@ -114,15 +135,7 @@ def _load_sharded(index: Path, device) -> dict:
             raise CheckpointError(
                 f"{index}: shard {shard} (holding {_names(names)}) not found at {file}"
             )
-        loaded = _load_file(file, device)
-        missing = [n for n in names if n not in loaded]
-        if missing:
-            raise CheckpointError(
-                f"{file}: tensors listed in {index.name} are absent: {_names(missing)}"
-            )
-        for name in names:
-            tensors[name] = loaded[name]
-    return tensors
+    return by_shard
 
 
 def match_state_dict(
