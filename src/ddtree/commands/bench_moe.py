@@ -1,0 +1,265 @@
+"""`ddtree bench moe`: one MoE layer forward against verify width M, BF16 and INT4 experts."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _precisions(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [n for n in names if n not in ("bf16", "int4")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown precision(s) {', '.join(bad) or text!r}; expected some of bf16,int4"
+        )
+    return names
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of bytes per second such as 12e9, got {text!r}"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive bytes/s figure, got {text!r}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        help="a Hugging Face DeepseekV3 / Kimi-K2 config.json (or its folder) for the MoE sizes; "
+        "default: Kimi-K2 routing (384 experts, top-8, 1 shared) at hidden 1024, width 256",
+    )
+    p.add_argument("--hidden", type=int, help="hidden size H (overrides --config)")
+    p.add_argument("--moe-intermediate", type=int, help="routed expert width I")
+    p.add_argument("--experts", type=int, help="routed experts E")
+    p.add_argument("--top-k", type=int, help="experts per token k")
+    p.add_argument("--shared-experts", type=int, help="shared experts (always run)")
+    p.add_argument(
+        "--ms",
+        type=_ints,
+        default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+        help="verify widths M (default 1,2,4,...,256)",
+    )
+    p.add_argument(
+        "--precisions", type=_precisions, default=["bf16", "int4"], help="bf16,int4 (default both)"
+    )
+    p.add_argument("--group-size", type=int, default=32, help="INT4 scale group (default 32)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: CUDA when torch sees it, else the CPU",
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards per M (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed forwards first (default 1)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    peak = p.add_mutually_exclusive_group()
+    peak.add_argument(
+        "--peak-bytes-per-s",
+        type=_positive_float,
+        help="peak memory bandwidth to compare against, SI bytes/s (e.g. 12e9)",
+    )
+    peak.add_argument(
+        "--bandwidth-records",
+        help="a JSONL file of `ddtree bench bandwidth` records; its read figure is the peak "
+        "(default: measure a 256 MiB read now)",
+    )
+    p.add_argument("--records", help="append bench_moe measurement records to this JSONL file")
+
+
+def _shape(args: argparse.Namespace):
+    from ddtree.bench.moe import KIMI_SCALED, MoeShape
+
+    base, source = KIMI_SCALED, "built-in"
+    if args.config:
+        path = Path(args.config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"--config {args.config}: no such file")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--config {path}: not valid JSON ({exc.msg})") from None
+        base, source = MoeShape.from_hf(cfg, str(path)), str(path)
+    overrides = {
+        "hidden_size": args.hidden,
+        "moe_intermediate_size": args.moe_intermediate,
+        "n_routed_experts": args.experts,
+        "top_k": args.top_k,
+        "n_shared_experts": args.shared_experts,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if not overrides:
+        return base, source
+    name = f"{base.name} (overridden: {', '.join(overrides)})"
+    try:
+        return dataclasses.replace(base, **overrides, name=name), source
+    except ValueError as exc:
+        raise ValueError(f"arguments: {exc}") from None
+
+
+def _available_bytes(device: str) -> int | None:
+    import torch
+
+    if device == "cuda":
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _peak(args: argparse.Namespace, device: str):
+    from ddtree.bench.bandwidth import MIB, PeakBandwidth, measure, peak_from_records
+    from ddtree.records import read_records
+
+    if args.peak_bytes_per_s:
+        return PeakBandwidth(args.peak_bytes_per_s, "--peak-bytes-per-s")
+    if args.bandwidth_records:
+        return peak_from_records(
+            read_records(args.bandwidth_records), device, args.bandwidth_records
+        )
+    pt = measure(device, "read", 256 * MIB, repeats=5, warmup=1)
+    return PeakBandwidth(pt.bytes_per_s, f"measured now ({device}, read, 256 MiB, median of 5)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from ddtree.bench.bandwidth import last_level_cache_bytes
+    from ddtree.bench.moe import bench_moe, build_layer, gib, total_weight_bytes
+    from ddtree.records import HardwareInfo, Record, RecordError, write_records
+
+    if args.repeats < 1 or args.warmup < 0:
+        print(
+            f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats}, {args.warmup}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA device on this machine", file=sys.stderr)
+        return 2
+    else:
+        device = args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        shape, source = _shape(args)
+        # the INT4 layer is packed from a BF16 one, so both exist for a moment
+        need = total_weight_bytes(shape, "bf16") + (
+            total_weight_bytes(shape, "int4", args.group_size) if "int4" in args.precisions else 0
+        )
+        free = _available_bytes(device)
+        if free is not None and need > 0.8 * free:
+            raise ValueError(
+                f"{source}: one layer's weights need {gib(need):.1f} GiB, {device} has "
+                f"{gib(free):.1f} GiB free; scale it down with --hidden/--moe-intermediate/--experts"
+            )
+        peak = _peak(args, device)
+    except (ValueError, RecordError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+    threads = torch.get_num_threads()
+    llc = last_level_cache_bytes() if device == "cpu" else None
+    console = Console()
+    table = Table(
+        title=f"ddtree bench moe: H={shape.hidden_size} I={shape.moe_intermediate_size} "
+        f"E={shape.n_routed_experts} k={shape.top_k} shared={shape.n_shared_experts}, "
+        f"{device}, {threads} threads",
+        caption=f"{shape.name}. experts: measured distinct experts per forward; uniform: "
+        f"E(1-(1-k/E)^M). MB moved: touched experts + shared + router + activations. "
+        f"Peak {peak.bytes_per_s / 1e9:.1f} GB/s: {peak.source}. 1 GB/s = 1e9 B/s.",
+    )
+    for col in ("prec", "M", "ms", "p10-p90 ms", "experts", "uniform", "MB", "GB/s", "%peak"):
+        table.add_column(col, justify="right")
+    hw = HardwareInfo.collect()
+    records, results = [], []
+    with console.status("building...") as status:
+        for precision in args.precisions:
+            status.update(f"building the {precision} layer...")
+            try:
+                layer = build_layer(shape, device, args.seed, args.group_size, precision)
+            except ValueError as exc:
+                print(f"arguments: {exc}", file=sys.stderr)
+                return 2
+            points = []
+            for pt in bench_moe(layer, shape, args.ms, peak.bytes_per_s, args.repeats, args.warmup):
+                status.update(f"{precision} M={pt.m}")
+                points.append(pt.as_dict())
+                table.add_row(
+                    precision,
+                    str(pt.m),
+                    f"{pt.s_per_layer * 1e3:.2f}",
+                    f"{pt.p10_s * 1e3:.3g}-{pt.p90_s * 1e3:.3g}",
+                    f"{pt.experts_touched:.1f}",
+                    f"{pt.experts_touched_uniform:.1f}",
+                    f"{pt.bytes_moved / 1e6:.1f}",
+                    f"{pt.bytes_per_s / 1e9:.2f}",
+                    f"{100 * pt.fraction_of_peak:.0f}",
+                )
+            del layer
+            table.add_section()
+            config = {
+                "device": device,
+                "precision": precision,
+                "hidden_size": shape.hidden_size,
+                "moe_intermediate_size": shape.moe_intermediate_size,
+                "n_routed_experts": shape.n_routed_experts,
+                "top_k": shape.top_k,
+                "n_shared_experts": shape.n_shared_experts,
+                "n_group": shape.n_group,
+                "topk_group": shape.topk_group,
+                "group_size": args.group_size if precision == "int4" else None,
+                "activation_dtype": "bfloat16",
+                "model": shape.name,
+                "model_source": source,
+                "weights_total_bytes": total_weight_bytes(shape, precision, args.group_size),
+                "llc_bytes": llc,
+                "threads": threads,
+                "repeats": args.repeats,
+                "warmup": args.warmup,
+                "statistic": "median",
+                "routing": "random router rows of equal norm, Gaussian tokens, fresh per call",
+            }
+            summary = {
+                "peak_bytes_per_s": peak.bytes_per_s,
+                "peak_source": peak.source,
+                "max_fraction_of_peak": max(p["fraction_of_peak"] for p in points),
+            }
+            records.append(Record("bench_moe", hw, config, summary, points))
+            results.append({**config, **summary, "points": points})
+    console.print(table)
+    print(json.dumps({"bench": "moe", "hardware": hw.label, "results": results}))
+    if args.records:
+        write_records(args.records, records)
+    return 0
