@@ -68,6 +68,10 @@ def test_peak_prefers_the_read_method():
     peak = peak_from_records(records, "cpu", "bw.jsonl")
     assert peak.bytes_per_s == pts[1].bytes_per_s
     assert "read" in peak.source and "bw.jsonl" in peak.source
+    one_thread = to_records(pts[:1], hw, {"threads": 1})  # only copy was measured at 1 thread
+    picked = peak_from_records(records + one_thread, "cpu", "bw.jsonl", threads=1)
+    assert picked.bytes_per_s == pts[0].bytes_per_s and "copy, 1 threads" in picked.source
+    assert peak_from_records(records, "cpu", threads=7).bytes_per_s == pts[1].bytes_per_s
     with pytest.raises(ValueError, match="bw.jsonl: no bench_bandwidth record for device 'cuda'"):
         peak_from_records(records, "cuda", "bw.jsonl")
 

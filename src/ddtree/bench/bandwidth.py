@@ -190,15 +190,21 @@ class PeakBandwidth:
     source: str  # where the figure came from, for the record and the table title
 
 
-def peak_from_records(records: list, device: str, where: str = "records") -> PeakBandwidth:
-    """The peak to compare a kernel against: from ``bench_bandwidth`` records of ``device``,
-    the ``read`` method when present (weight streaming is a read), else the fastest method."""
+def peak_from_records(
+    records: list, device: str, where: str = "records", threads: int | None = None
+) -> PeakBandwidth:
+    """The peak to compare a kernel against: from ``bench_bandwidth`` records of ``device``
+    (those measured with ``threads`` CPU threads when there are any), the ``read`` method when
+    present (weight streaming is a read), else the fastest method."""
     mine = [r for r in records if r.kind == "bench_bandwidth" and r.config.get("device") == device]
     if not mine:
         raise ValueError(f"{where}: no bench_bandwidth record for device {device!r}")
+    same_threads = [r for r in mine if threads is not None and r.config.get("threads") == threads]
+    mine = same_threads or mine
     reads = [r for r in mine if r.config.get("method") == "read"]
     best = max(reads or mine, key=lambda r: float(r.summary["bytes_per_s"]))
     return PeakBandwidth(
         float(best.summary["bytes_per_s"]),
-        f"{where} ({device}, {best.config.get('method')}, {best.created_utc})",
+        f"{where} ({device}, {best.config.get('method')}, "
+        f"{best.config.get('threads')} threads, {best.created_utc})",
     )

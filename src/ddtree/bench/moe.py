@@ -277,12 +277,13 @@ def build_layer(
     routed experts by their packed form (same seed, so the same routing and weights)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-    if shape.hidden_size % group_size or shape.moe_intermediate_size % group_size:
-        if precision == "int4":
-            raise ValueError(
-                f"int4 needs hidden_size ({shape.hidden_size}) and moe_intermediate_size "
-                f"({shape.moe_intermediate_size}) divisible by group_size={group_size}"
-            )
+    if precision == "int4" and (
+        shape.hidden_size % group_size or shape.moe_intermediate_size % group_size
+    ):
+        raise ValueError(
+            f"int4 needs hidden_size ({shape.hidden_size}) and moe_intermediate_size "
+            f"({shape.moe_intermediate_size}) divisible by group_size={group_size}"
+        )
     with torch.device("meta"), warnings.catch_warnings():
         # no shared experts: nn.Linear warns that initialising its empty weight is a no-op
         warnings.filterwarnings("ignore", "Initializing zero-element tensors")

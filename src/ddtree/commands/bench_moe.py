@@ -135,14 +135,17 @@ def _available_bytes(device: str) -> int | None:
 
 
 def _peak(args: argparse.Namespace, device: str):
+    import torch
+
     from ddtree.bench.bandwidth import MIB, PeakBandwidth, measure, peak_from_records
     from ddtree.records import read_records
 
     if args.peak_bytes_per_s:
         return PeakBandwidth(args.peak_bytes_per_s, "--peak-bytes-per-s")
     if args.bandwidth_records:
+        threads = torch.get_num_threads() if device == "cpu" else None
         return peak_from_records(
-            read_records(args.bandwidth_records), device, args.bandwidth_records
+            read_records(args.bandwidth_records), device, args.bandwidth_records, threads
         )
     pt = measure(device, "read", 256 * MIB, repeats=5, warmup=1)
     return PeakBandwidth(pt.bytes_per_s, f"measured now ({device}, read, 256 MiB, median of 5)")
