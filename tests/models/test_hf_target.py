@@ -406,3 +406,18 @@ def test_from_pretrained_round_trip(tmp_path):
     (tmp_path / "q" / "model.safetensors").rename(tmp_path / "q" / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="pickled weights are refused"):
         HFTarget.from_pretrained(tmp_path / "q")
+
+
+def test_bfloat16_mask_in_model_dtype():
+    """The layout is built in the model dtype (bf16 finfo.min), and the tree still matches a
+    plain bf16 forward of each path."""
+    model = make_model("qwen3").to(torch.bfloat16)
+    target = HFTarget(model)
+    assert target.info.dtype == "bfloat16"
+    target.prefill(torch.tensor([3, 14, 15]))
+    tree = make_tree([92, 65, 35, 89], [-1, 0, 0, 1])
+    logits = target.verify(tree).logits
+    assert logits.dtype == torch.bfloat16
+    for node in range(4):
+        ref, _ = full_forward(model, [3, 14, 15] + path_tokens(tree, node))
+        assert (logits[node].float() - ref.float()).abs().max().item() <= 5e-2
