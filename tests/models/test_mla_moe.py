@@ -141,7 +141,8 @@ TREE_PARENTS = [-1, 0, 0, 1, 1, 3, 2]
 def test_prefill_logits_and_hidden_match_hf(hf_model, attn_impl):
     _, hf = hf_model
     target = ours(hf, attn_impl)
-    layers = list(range(hf.config.num_hidden_layers))  # 0 = embeddings, i = output of layer i-1
+    # 0 = embeddings, i = output of layer i-1, the last one after the final norm
+    layers = list(range(hf.config.num_hidden_layers + 1))
     target.set_capture_layers(layers)
     out = target.prefill(torch.tensor(PROMPT))
     with torch.no_grad():

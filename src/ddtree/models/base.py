@@ -55,7 +55,8 @@ class Target(Protocol):
 
     def set_capture_layers(self, layer_ids: list[int]) -> None:
         """Hidden states to return with every forward (HF ``hidden_states`` indexing: 0 is the
-        embedding output, i is the output of decoder layer i-1)."""
+        embedding output, i is the output of decoder layer i-1; the last index, num_layers, is
+        taken after the final norm, as transformers returns it)."""
 
     def reset(self) -> None:
         """Drop the KV cache (seq_len becomes 0)."""

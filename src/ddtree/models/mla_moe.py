@@ -541,7 +541,11 @@ class MlaMoeModel(nn.Module):
             x = layer(x, self.model.rotary_emb, cos_sin, mask, cache.rows[i], start)
             if i + 1 in capture_layers:
                 captured[i + 1] = x
-        logits = self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        n = len(self.model.layers)
+        if n in capture_layers:  # transformers' last hidden_states entry is after the final norm
+            captured[n] = x
+        logits = self.lm_head(x)
         hidden = torch.cat([captured[i] for i in capture_layers], -1) if capture_layers else None
         return ForwardOutput(logits=logits, hidden=hidden)
 
