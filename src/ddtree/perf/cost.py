@@ -72,9 +72,12 @@ BASE_PARAMS: dict[str, ParamSpec] = {
             "compute_efficiency", 0.5, 0.2, 0.8, "", False,
             "fraction of dense peak FLOP/s reached by compute-bound kernels",
         ),
-        ParamSpec(
-            "allreduce_scale", 1.0, 0.5, 2.0, "", False,
-            "multiplier on the catalog all-reduce latency (assumed figures)",
+        *(
+            ParamSpec(
+                f"allreduce_scale.{link}", 1.0, 0.5, 2.0, "", False,
+                f"multiplier on the catalog all-reduce latency over {link} (assumed figures)",
+            )
+            for link in ("pcie", "nvlink", "fabric")
         ),
     ]
 }  # fmt: skip
@@ -200,6 +203,16 @@ class StepCost:
             if c.name == name:
                 return c
         raise KeyError(name)
+
+
+def link_class(hw: Hardware) -> str:
+    """'pcie', 'nvlink' or 'fabric': which all-reduce latency scale applies."""
+    text = hw.interconnect.lower()
+    if "pcie" in text:
+        return "pcie"
+    if "nvlink" in text:
+        return "nvlink"
+    return "fabric"
 
 
 def experts_touched(n_experts: int, top_k: int, tokens, curve=None):
@@ -333,9 +346,9 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
         ar_bytes = T * H * 2.0  # bf16 activations
         n_ar = 2 * L
         link = hw.link_bytes_per_s or 1e30
-        per = hw.allreduce_latency_s * params["allreduce_scale"] + 2.0 * (tp - 1) / tp * (
-            ar_bytes / link
-        )
+        per = hw.allreduce_latency_s * params[f"allreduce_scale.{link_class(hw)}"] + 2.0 * (
+            tp - 1
+        ) / tp * (ar_bytes / link)
         comps.append(
             Component(
                 "TP all-reduce",

@@ -1,0 +1,71 @@
+"""Load a scenario, read records, calibrate, and project every scenario case."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from ddtree.perf.calibrate import Backtest, Calibration, backtest, calibrate
+from ddtree.perf.fromrecords import anchors_from_records
+from ddtree.perf.scenario import ScenarioFile, load_scenario
+from ddtree.perf.uncertainty import CaseResult, run_case
+from ddtree.records import read_records
+
+BUNDLED_SEED = "seed_kimi_b300.toml"
+
+
+def bundled_seed_path() -> Path:
+    """The seed example shipped inside the package (a copy of examples/seed_kimi_b300.toml)."""
+    return Path(str(resources.files("ddtree.perf").joinpath(f"data/{BUNDLED_SEED}")))
+
+
+@dataclass
+class Estimate:
+    scenario: ScenarioFile
+    calibration: Calibration  # on every anchor
+    results: list[CaseResult]
+    record_anchors: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def load(path: str | Path | None, records: list[str] | None = None) -> ScenarioFile:
+    recs = []
+    paths = list(records or [])
+    sf0 = None
+    if path is None:
+        path = bundled_seed_path()
+    if not paths:
+        sf0 = load_scenario(path)
+        paths = sf0.records
+    machine = None
+    rec_anchors: list = []
+    if paths:
+        recs = read_records(paths)
+        rec_anchors, machine = anchors_from_records(recs)
+    sf = load_scenario(path, {"this-machine": machine} if machine else None)
+    sf.anchors.extend(rec_anchors)
+    return sf
+
+
+def estimate(sf: ScenarioFile, samples: int = 10_000, seed: int = 0) -> Estimate:
+    cache: dict[tuple[str, ...], Calibration] = {}
+
+    def cal_for(names: list[str] | None) -> Calibration:
+        key = tuple(a.name for a in sf.anchors) if names is None else tuple(names)
+        if key not in cache:
+            chosen = [a for a in sf.anchors if a.name in key]
+            cache[key] = calibrate(chosen, sf.specs, sf.fixed)
+        return cache[key]
+
+    full = cal_for(None)
+    results = [
+        run_case(sf.model, case, cal_for(case.anchors), samples, seed + i)
+        for i, case in enumerate(sf.cases)
+    ]
+    n_rec = sum(1 for a in sf.anchors if a.source.startswith("measured:"))
+    return Estimate(sf, full, results, n_rec)
+
+
+def run_backtest(sf: ScenarioFile, train_budgets: list[int] | None = None) -> Backtest:
+    return backtest(sf.anchors, sf.specs, sf.fixed, train_budgets)

@@ -1,0 +1,137 @@
+"""Monte Carlo over uncertain inputs (p10/p50/p90) and a tornado of which input moves most.
+
+Calibrated parameters are sampled from the calibration's Laplace posterior (log-normal, with
+the correlations the anchors impose); a scenario's own overrides given as ``[low, high]``
+replace that parameter's marginal (uniform, or triangular with a mode); tau given as a range
+is uniform. One vectorised cost-model call evaluates every sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddtree.perf.calibrate import Calibration
+from ddtree.perf.cost import Amdahl, StepCost, amdahl, step_cost
+from ddtree.perf.model import ModelShape
+from ddtree.perf.scenario import Range, ScenarioCase, Value
+
+PERCENTILES = (10, 50, 90)
+
+
+def _draw(v: Value, n: int, rng: np.random.Generator) -> np.ndarray:
+    if isinstance(v, Range):
+        if v.mode is not None:
+            return rng.triangular(v.low, v.mode, v.high, n)
+        return rng.uniform(v.low, v.high, n)
+    return np.full(n, float(v))
+
+
+def point_value(v: Value) -> float:
+    return v.mid if isinstance(v, Range) else float(v)
+
+
+def sample_inputs(
+    cal: Calibration, case: ScenarioCase, n: int, seed: int
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """-> (parameter samples [n] each, tau samples [n])."""
+    rng = np.random.default_rng(seed)
+    params: dict[str, np.ndarray] = {k: np.full(n, v) for k, v in cal.values.items()}
+    if cal.names:
+        logs = rng.multivariate_normal(cal.mean_log, cal.cov_log, size=n, method="eigh")
+        for i, name in enumerate(cal.names):  # logs: [n, K]
+            params[name] = np.exp(logs[:, i])
+            if name.endswith("efficiency"):
+                params[name] = np.minimum(params[name], 1.0)
+    for name, v in case.overrides.items():
+        params[name] = _draw(v, n, rng)
+    return params, _draw(case.tau, n, rng)
+
+
+@dataclass
+class TornadoBar:
+    input: str
+    low_value: float
+    high_value: float
+    tokens_per_s_at_low: float
+    tokens_per_s_at_high: float
+
+    @property
+    def swing(self) -> float:
+        return abs(self.tokens_per_s_at_high - self.tokens_per_s_at_low)
+
+
+@dataclass
+class CaseResult:
+    case: ScenarioCase
+    calibration: Calibration
+    point_params: dict[str, float]
+    point_tau: float
+    point: StepCost  # breakdown at the point estimate
+    tokens_per_s: dict[int, float]  # percentile -> value (aggregate over C requests)
+    step_s: dict[int, float]
+    amdahl: Amdahl
+    tornado: list[TornadoBar]
+    samples: int
+    seed: int
+
+
+def run_case(
+    model: ModelShape, case: ScenarioCase, cal: Calibration, n: int = 10_000, seed: int = 0
+) -> CaseResult:
+    params, tau = sample_inputs(cal, case, n, seed)
+    cost = step_cost(model, case.point, params, tau)
+    step = np.broadcast_to(np.asarray(cost.step_s, dtype=float), (n,))
+    tps = case.point.concurrency * tau / step  # [n]
+    pt_params = dict(cal.values)
+    pt_params.update({k: point_value(v) for k, v in case.overrides.items()})
+    pt_tau = point_value(case.tau)
+    pt_cost = step_cost(model, case.point, pt_params, pt_tau)
+    return CaseResult(
+        case=case,
+        calibration=cal,
+        point_params=pt_params,
+        point_tau=pt_tau,
+        point=pt_cost,
+        tokens_per_s={p: float(np.percentile(tps, p)) for p in PERCENTILES},
+        step_s={p: float(np.percentile(step, p)) for p in PERCENTILES},
+        amdahl=amdahl(pt_cost, pt_params, pt_tau),
+        tornado=tornado(model, case, pt_params, pt_tau, params, tau),
+        samples=n,
+        seed=seed,
+    )
+
+
+def tornado(
+    model: ModelShape,
+    case: ScenarioCase,
+    pt_params: dict[str, float],
+    pt_tau: float,
+    samples: dict[str, np.ndarray],
+    tau: np.ndarray,
+) -> list[TornadoBar]:
+    """Move one input at a time to its p10 and p90 (others at the point estimate)."""
+    inputs = [("tau", tau)] + [
+        (k, v) for k, v in samples.items() if np.ptp(v) > 1e-12 * max(abs(float(v[0])), 1e-30)
+    ]
+    if len(inputs) == 1 and np.ptp(tau) == 0:
+        return []
+    lows = {k: float(np.percentile(v, 10)) for k, v in inputs}
+    highs = {k: float(np.percentile(v, 90)) for k, v in inputs}
+    names = [k for k, _ in inputs]
+    K = len(names)
+    # column 2i: input i at its p10, column 2i+1: at its p90
+    p = {k: np.full(2 * K, v, dtype=float) for k, v in pt_params.items()}
+    t = np.full(2 * K, pt_tau)
+    for i, k in enumerate(names):
+        target = t if k == "tau" else p[k]
+        target[2 * i], target[2 * i + 1] = lows[k], highs[k]
+    cost = step_cost(model, case.point, p, t)
+    tps = case.point.concurrency * t / np.broadcast_to(cost.step_s, (2 * K,))
+    bars = [
+        TornadoBar(k, lows[k], highs[k], float(tps[2 * i]), float(tps[2 * i + 1]))
+        for i, k in enumerate(names)
+    ]
+    bars = [b for b in bars if b.swing > 0]
+    return sorted(bars, key=lambda b: -b.swing)

@@ -1,0 +1,109 @@
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ddtree.perf.calibrate import backtest, calibrate
+from ddtree.perf.catalog import load_catalog
+from ddtree.perf.cost import Drafter, Point, default_params, params_at, step_cost
+from ddtree.perf.model import PRESETS
+from ddtree.perf.scenario import Range, ScenarioCase, StepAnchor
+from ddtree.perf.uncertainty import run_case
+
+K2T = PRESETS["kimi-k2-thinking"]
+CAT = load_catalog()
+DRAFTER = Drafter(params=1.5e9, layers=3)
+TRUE = {"weights_efficiency": 0.45, "python.step_overhead": 9e-3}
+
+
+def _pt(hw, budget, block=8):
+    return Point(CAT[hw], 8, 1, 2048, block, budget, "python", DRAFTER)
+
+
+def _synthetic(truth):
+    specs = default_params()
+    p = params_at(specs, truth)
+    anchors = []
+    for hw in ("rtx-pro-6000", "h100-sxm", "b300", "mi300x"):
+        for n in (8, 32, 128):
+            pt = _pt(hw, n, block=16)
+            step = float(step_cost(K2T, pt, p, 4.0).step_s)
+            anchors.append(StepAnchor(f"{hw}-N{n}", K2T, pt, 4.0, step, "synthetic"))
+    return specs, anchors
+
+
+def test_calibration_recovers_known_parameters():
+    specs, anchors = _synthetic(TRUE)
+    fixed = {n: s.default for n, s in specs.items() if n not in TRUE}
+    # wide priors: the anchors, not the prior, must decide (a MAP fit is pulled by its prior)
+    for n in TRUE:
+        specs[n] = dataclasses.replace(specs[n], low=specs[n].low / 30, high=specs[n].high * 30)
+    cal = calibrate(anchors, specs, fixed)
+    for name, want in TRUE.items():
+        assert cal.values[name] == pytest.approx(want, rel=0.02), name
+        assert cal.status(name) == "fitted"
+    assert max(abs(r.rel_error) for r in cal.residuals) < 0.005
+
+
+def test_calibration_from_a_subset_keeps_priors_elsewhere():
+    specs, anchors = _synthetic(TRUE)
+    cal = calibrate(anchors[:1], specs)
+    assert abs(cal.residuals[0].rel_error) < 0.01  # one anchor is still reproduced
+    assert cal.values["native.step_overhead"] == pytest.approx(
+        specs["native.step_overhead"].default
+    )
+    assert cal.status("native.step_overhead") == "prior"
+    empty = calibrate([], specs)
+    assert empty.values["moe_efficiency"] == pytest.approx(specs["moe_efficiency"].default)
+
+
+def test_backtest_on_synthetic_records_is_exact_when_the_model_is_right():
+    specs, anchors = _synthetic(TRUE)
+    fixed = {n: s.default for n, s in specs.items() if n not in TRUE}
+    bt = backtest(anchors, specs, fixed)
+    assert len(bt.rows) == len(anchors) and bt.mode == "leave-one-out"
+    assert bt.mape < 0.01
+    tb = backtest(anchors, specs, fixed, train_budgets=[8, 32])
+    assert {r.anchor.split("-N")[1] for r in tb.rows} == {"128"}
+    assert tb.mape < 0.01
+    # a held-out point the model cannot explain shows up as error
+    bad = dataclasses.replace(anchors[0], step_s=anchors[0].step_s * 1.5)
+    assert backtest([bad, *anchors[1:]], specs, fixed).rows[0].rel_error > 0.3
+
+
+TAU = Range(12.0, 16.0)
+
+
+def _case(tau=TAU, overrides=None):
+    return ScenarioCase("c", _pt("b300", 32, 16), tau, None, overrides or {})
+
+
+def test_monte_carlo_percentiles_ordered_and_deterministic():
+    specs, anchors = _synthetic(TRUE)
+    cal = calibrate(anchors[:2], specs)
+    a = run_case(K2T, _case(), cal, n=4000, seed=7)
+    b = run_case(K2T, _case(), cal, n=4000, seed=7)
+    c = run_case(K2T, _case(), cal, n=4000, seed=8)
+    assert a.tokens_per_s[10] < a.tokens_per_s[50] < a.tokens_per_s[90]
+    assert a.step_s[10] <= a.step_s[50] <= a.step_s[90]
+    assert a.tokens_per_s == b.tokens_per_s
+    assert a.tokens_per_s != c.tokens_per_s
+    # tau uniform on 12-16 moves tokens/s by ~16/12 at nearly fixed step time
+    bar = next(x for x in a.tornado if x.input == "tau")
+    assert bar.tokens_per_s_at_high / bar.tokens_per_s_at_low == pytest.approx(
+        bar.high_value / bar.low_value, rel=0.02
+    )
+    assert a.tornado[0].swing >= a.tornado[-1].swing
+
+
+def test_point_inputs_give_a_degenerate_distribution():
+    specs = default_params()
+    fixed = {n: s.default for n, s in specs.items()}
+    cal = calibrate([], specs, fixed)
+    r = run_case(K2T, _case(tau=14.0), cal, n=100, seed=0)
+    assert r.tokens_per_s[10] == pytest.approx(r.tokens_per_s[90])
+    want = 14.0 / float(step_cost(K2T, _case().point, params_at(specs), 14.0).step_s)
+    assert r.tokens_per_s[50] == pytest.approx(want)
+    wide = run_case(K2T, _case(14.0, {"python.step_overhead": Range(1e-3, 20e-3)}), cal, 2000, 0)
+    assert wide.tornado[0].input == "python.step_overhead"
+    assert np.isfinite(wide.tokens_per_s[10]) and wide.tokens_per_s[10] < wide.tokens_per_s[90]
