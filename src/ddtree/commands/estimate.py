@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.backtest:
             sf = load(args.scenario, args.backtest)
+            if args.scenario is None:  # hold out records only, not the bundled seed's anchors
+                sf.anchors = [a for a in sf.anchors if a.source.startswith("measured:")]
             bt = run_backtest(sf, args.train_budgets)
             if not bt.rows:
                 print(
