@@ -1,0 +1,90 @@
+"""Turn decode results into one ``engine_run`` measurement record (``ddtree.records``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ddtree.engine.loop import DecodeConfig, GenerationResult
+from ddtree.engine.timing import MODEL_STAGES
+from ddtree.records import ENGINE_STAGES, HardwareInfo, Record
+
+
+def model_config(info, path: str | Path | None) -> dict[str, Any]:
+    """ModelInfo fields plus ``config_json`` (the HF config.json) when the folder has one."""
+    out = dataclasses.asdict(info)
+    out["eos_token_ids"] = list(out["eos_token_ids"])
+    if path is not None and (Path(path) / "config.json").is_file():
+        out["config_json"] = json.loads((Path(path) / "config.json").read_text())
+    return out
+
+
+def summarize(results: Sequence[GenerationResult]) -> dict[str, Any]:
+    """Headline figures over every step of every result."""
+    steps = [s for r in results for s in r.steps]
+    if not steps:
+        raise ValueError("no decode steps to summarise (max_new_tokens 1 decodes none)")
+    step_s = sorted(s.step_s for s in steps)
+    total_s = sum(step_s)
+    taus = [s.tau for s in steps]
+    stage_s_mean = {k: sum(s.stage_s[k] for s in steps) / len(steps) for k in ENGINE_STAGES}
+    model_s = sum(stage_s_mean[k] for k in MODEL_STAGES)
+    step_s_mean = total_s / len(steps)
+    return {
+        "mean_tau": sum(taus) / len(taus),
+        "tokens_per_s": sum(taus) / total_s,
+        "step_s_mean": step_s_mean,
+        "step_s_p50": statistics.median(step_s),
+        "step_s_p90": step_s[min(len(step_s) - 1, int(0.9 * len(step_s)))],
+        "stage_s_mean": stage_s_mean,
+        "overhead_fraction": (step_s_mean - model_s) / step_s_mean,
+        "steps": len(steps),
+        "new_tokens": sum(len(r.tokens) for r in results),
+        "prefill_s_mean": sum(r.prefill_s for r in results) / len(results),
+        "prompts": len(results),
+    }
+
+
+def engine_run_record(
+    results: Sequence[GenerationResult],
+    config: DecodeConfig,
+    target_info,
+    target_path: str | Path | None,
+    drafter_info=None,
+    drafter_path: str | Path | None = None,
+    device: str = "cpu",
+    prompt_lens: Sequence[int] = (),
+    extra: dict[str, Any] | None = None,
+) -> Record:
+    cfg = {
+        "policy": config.policy,
+        "block_size": config.block_size if config.policy != "ar" else 1,
+        "budget": {"ar": 0, "chain": config.block_size - 1}.get(config.policy, config.budget),
+        "temperature": config.temperature,
+        "top_k": config.top_k,
+        "top_p": config.top_p,
+        "seed": config.seed,
+        "max_new_tokens": config.max_new_tokens,
+        "target": model_config(target_info, target_path),
+        "drafter": None if drafter_info is None else model_config(drafter_info, drafter_path),
+        "dtype": target_info.dtype,
+        "device": device,
+        "prompts": {"count": len(results), "lengths": list(prompt_lens)},
+        **(extra or {}),
+    }
+    points = [
+        {"tau": s.tau, "step_s": s.step_s, "stage_s": dict(s.stage_s)}
+        for r in results
+        for s in r.steps
+    ]
+    return Record(
+        kind="engine_run",
+        hardware=HardwareInfo.collect(),
+        config=cfg,
+        summary=summarize(results),
+        points=points,
+    )

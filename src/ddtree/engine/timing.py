@@ -1,0 +1,60 @@
+"""Per-stage step timing. The clock is chosen once: on CUDA it synchronises before every
+reading (so a stage owns the kernels it launched), on CPU it reads ``perf_counter`` only."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.records import ENGINE_STAGES
+
+MODEL_STAGES = ("draft", "verify")
+"""Stages spent in model forwards; every other stage is engine overhead."""
+
+
+@dataclass
+class StepTimings:
+    """Seconds of one decode step by stage (``ENGINE_STAGES``); ``other`` = step - named."""
+
+    step_s: float
+    stage_s: dict[str, float]
+    tau: int
+
+    @property
+    def overhead_s(self) -> float:
+        return self.step_s - sum(self.stage_s[s] for s in MODEL_STAGES)
+
+
+@dataclass
+class StageClock:
+    """Stamps named stages of one step: ``begin()``, then ``mark(stage)`` after each stage."""
+
+    sync_cuda: bool
+    _t0: float = 0.0
+    _last: float = 0.0
+    _stage_s: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def for_device(device: torch.device | str) -> StageClock:
+        return StageClock(sync_cuda=torch.device(device).type == "cuda")
+
+    def _now(self) -> float:
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def begin(self) -> None:
+        self._t0 = self._last = self._now()
+        self._stage_s = dict.fromkeys(ENGINE_STAGES, 0.0)
+
+    def mark(self, stage: str) -> None:
+        now = self._now()
+        self._stage_s[stage] += now - self._last
+        self._last = now
+
+    def end(self, tau: int) -> StepTimings:
+        now = self._now()
+        self._stage_s["other"] += now - self._last
+        return StepTimings(step_s=now - self._t0, stage_s=self._stage_s, tau=tau)

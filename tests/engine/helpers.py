@@ -1,0 +1,122 @@
+"""Tiny targets and a scripted drafter for engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.models.base import ModelInfo
+from ddtree.models.mla_moe import MlaMoeConfig, MlaMoeModel, MlaMoeTarget
+
+TINY = dict(
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=12,
+    max_position_embeddings=512,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+)
+
+
+def tiny_mla_target(seed: int = 0, scale: float = 0.3, **overrides) -> MlaMoeTarget:
+    """A random MLA+MoE target. ``scale`` sets how peaked its next-token distributions are."""
+    config = MlaMoeConfig.from_hf(dict(TINY, **overrides), source="tiny")
+    torch.manual_seed(seed)
+    model = MlaMoeModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            elif "e_score_correction_bias" in name:
+                p.normal_(0, 0.1)
+            else:
+                p.normal_(0, scale / p.shape[-1] ** 0.5 * 4 if p.dim() > 1 else 0.02)
+    return MlaMoeTarget(model, capacity=64)
+
+
+class ScriptedDrafter:
+    """Implements the Drafter protocol from a known continuation ``script`` (prompt + greedy
+    output): at each position the true token is ranked first with probability ``hit``, else
+    second or third or not at all, so trees have to branch to recover it."""
+
+    def __init__(self, script: list[int], vocab_size: int, block_size: int, hit=0.6, seed=0):
+        self.script, self.vocab_size, self.block_size = script, vocab_size, block_size
+        self.hit, self.seed = hit, seed
+        self.target_layer_ids = [1]
+        self.info = ModelInfo("scripted", "Scripted", "test", 0, 0, 0, vocab_size, "float32")
+        self.reset()
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.rng = torch.Generator().manual_seed(self.seed)
+
+    def propose(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        self.seen += int(context_hidden.shape[0])
+        logits = torch.randn(self.block_size - 1, self.vocab_size, generator=self.rng)  # [B-1, V]
+        for i in range(self.block_size - 1):
+            pos = self.seen + 1 + i  # the block's root sits at position `seen`
+            if pos >= len(self.script):
+                continue
+            u = float(torch.rand((), generator=self.rng))
+            rank = 0 if u < self.hit else 1 if u < self.hit + 0.2 else 2 if u < 0.95 else None
+            if rank is None:
+                continue
+            others = [t for t in range(self.vocab_size) if t != self.script[pos]]
+            pick = torch.randperm(len(others), generator=self.rng)[:rank].tolist()
+            for r, j in enumerate(pick):  # decoys ranked above the true token
+                logits[i, others[j]] = 20.0 - r
+            logits[i, self.script[pos]] = 20.0 - rank
+        return logits
+
+
+def tiny_hf_target(kind: str, seed: int = 0):
+    """A random transformers model (Qwen3, Llama or DeepseekV3) behind ``HFTarget``."""
+    import transformers
+
+    from ddtree.models.hf import HFTarget
+
+    common = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        initializer_range=0.5,
+        tie_word_embeddings=False,
+    )
+    configs = {
+        "qwen3": lambda: transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=8),
+        "llama": lambda: transformers.LlamaConfig(**common, num_key_value_heads=2),
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **{k: v for k, v in TINY.items() if k not in ("architectures", "model_type")},
+            initializer_range=0.5,
+        ),
+    }
+    classes = {
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "llama": transformers.LlamaForCausalLM,
+        "deepseek_v3": transformers.DeepseekV3ForCausalLM,
+    }
+    torch.manual_seed(seed)
+    cfg = configs[kind]()
+    cfg._attn_implementation = "sdpa"
+    return HFTarget(classes[kind](cfg).eval(), name=f"tiny-{kind}")
