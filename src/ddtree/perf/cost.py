@@ -17,7 +17,7 @@ Every input may be a float or a numpy array (Monte Carlo samples); outputs broad
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -205,6 +205,27 @@ class StepCost:
         raise KeyError(name)
 
 
+EFFICIENCIES = ("moe_efficiency", "weights_efficiency", "compute_efficiency")
+
+
+def param_for(params: dict, name: str, hw: Hardware):
+    """``name@<hardware key>`` when the parameters have one (a device class of its own, such
+    as this machine's CPU), else ``name``."""
+    return params.get(f"{name}@{hw.key}", params[name])
+
+
+def scoped_specs(specs: dict[str, ParamSpec], hardware_key: str) -> dict[str, ParamSpec]:
+    """Efficiency parameters of their own for one hardware entry (e.g. ``this-machine``), so
+    CPU measurements do not pull the GPU efficiencies."""
+    out = dict(specs)
+    for name in EFFICIENCIES:
+        base = specs[name]
+        out[f"{name}@{hardware_key}"] = replace(
+            base, name=f"{name}@{hardware_key}", about=f"{base.about} (on {hardware_key})"
+        )
+    return out
+
+
 def link_class(hw: Hardware) -> str:
     """'pcie', 'nvlink' or 'fabric': which all-reduce latency scale applies."""
     text = hw.interconnect.lower()
@@ -246,8 +267,8 @@ def moe_layer_s(model: ModelShape, hw: Hardware, m, params: dict, tp: int = 1, c
     """Kernel time of one routed-MoE layer at M tokens (what ``bench moe`` measures)."""
     nbytes, flops, prec = routed_moe_layer(model, m, tp, curve)
     return np.maximum(
-        nbytes / (hw.hbm_bytes_per_s * params["moe_efficiency"]),
-        flops / (hw.peak_flops(prec) * params["compute_efficiency"]),
+        nbytes / (hw.hbm_bytes_per_s * param_for(params, "moe_efficiency", hw)),
+        flops / (hw.peak_flops(prec) * param_for(params, "compute_efficiency", hw)),
     )
 
 
@@ -263,8 +284,8 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
     launch_s = params[engine_param(eng, "launch")]
     mem_bw, mem_eff, cmp_eff = (
         hw.hbm_bytes_per_s,
-        params["weights_efficiency"],
-        params["compute_efficiency"],
+        param_for(params, "weights_efficiency", hw),
+        param_for(params, "compute_efficiency", hw),
     )
     M = pt.verify_width
     T = M * C
@@ -306,7 +327,7 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
             Lm * flops,
             prec,
             Lm * KERNELS["routed_moe"],
-            params["moe_efficiency"],
+            param_for(params, "moe_efficiency", hw),
             "L_moe x E(1-(1-k/E)^(M*C)) x expert params x bytes/param / TP"
             + (" [measured experts curve]" if pt.experts_curve else ""),
         )

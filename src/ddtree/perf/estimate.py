@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 from ddtree.perf.calibrate import Backtest, Calibration, backtest, calibrate
+from ddtree.perf.cost import scoped_specs
 from ddtree.perf.fromrecords import anchors_from_records
 from ddtree.perf.scenario import ScenarioFile, load_scenario
 from ddtree.perf.uncertainty import CaseResult, run_case
@@ -45,6 +46,8 @@ def load(path: str | Path | None, records: list[str] | None = None) -> ScenarioF
         rec_anchors, machine = anchors_from_records(recs)
     sf = load_scenario(path, {"this-machine": machine} if machine else None)
     sf.anchors.extend(rec_anchors)
+    if machine is not None:
+        sf.specs = scoped_specs(sf.specs, machine.key)
     return sf
 
 
