@@ -121,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         "llc_bytes": llc,
     }
     records = to_records(points, hw, config)
+    if args.records:  # before stdout, which may be a closed pipe
+        write_records(args.records, records)
     print(
         json.dumps(
             {
@@ -132,6 +134,4 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     )
-    if args.records:
-        write_records(args.records, records)
     return 0

@@ -261,8 +261,8 @@ def run(args: argparse.Namespace) -> int:
             }
             records.append(Record("bench_moe", hw, config, summary, points))
             results.append({**config, **summary, "points": points})
+    if args.records:  # before stdout, which may be a closed pipe
+        write_records(args.records, records)
     console.print(table)
     print(json.dumps({"bench": "moe", "hardware": hw.label, "results": results}))
-    if args.records:
-        write_records(args.records, records)
     return 0
