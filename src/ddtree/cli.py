@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 # (command path, module, one-line help). A path of two words is a sub-subcommand.
@@ -71,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(run(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        # bad input (files, fields, arguments): the message names it; DDTREE_DEBUG=1 re-raises
+        if os.environ.get("DDTREE_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

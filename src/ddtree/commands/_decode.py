@@ -1,0 +1,138 @@
+"""Glue shared by ``demo``, ``generate`` and ``bench engine``: model/decode arguments, loading a
+target + drafter + tokenizer, and the side-by-side summary table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+
+DEMO_DIR = Path(str(files("ddtree") / "assets" / "demo"))
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, default_demo: bool) -> None:
+    where = " (default: the bundled demo pair)" if default_demo else ""
+    p.add_argument("--target", help=f"target checkpoint directory{where}")
+    p.add_argument("--drafter", help=f"DFlash drafter directory (z-lab format){where}")
+    p.add_argument(
+        "--impl",
+        default="auto",
+        choices=("auto", "mla_moe", "hf"),
+        help="target implementation (auto: ours for DeepSeek-V3/Kimi configs)",
+    )
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+
+
+def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--block", type=int, default=8, help="block size B (drafter slots)")
+    p.add_argument("--budget", type=int, default=32, help="DDTree budget N (non-root nodes)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (1: off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+
+
+class TextCodec:
+    """Text <-> token ids with the target's tokenizer (``tokenizer.json``)."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: no tokenizer.json next to the target's config.json")
+        self.tokenizer = Tokenizer.from_file(str(file))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@dataclass
+class LoadedModels:
+    target: object  # Target
+    drafter: object | None  # Drafter
+    codec: TextCodec
+    target_path: Path
+    drafter_path: Path | None
+
+
+def load_models(args: argparse.Namespace, need_drafter: bool, default_demo: bool) -> LoadedModels:
+    import torch
+
+    from ddtree.models import load_drafter, load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_path = Path(args.target) if args.target else None
+    drafter_path = Path(args.drafter) if args.drafter else None
+    if default_demo:
+        target_path = target_path or DEMO_DIR / "target"
+        drafter_path = drafter_path or (DEMO_DIR / "drafter" if not args.target else None)
+    if target_path is None:
+        raise SystemExit("error: --target DIR is required")
+    if need_drafter and drafter_path is None:
+        raise SystemExit("error: this policy needs --drafter DIR (or use --policy ar)")
+    dtype = getattr(torch, args.dtype)
+    target = load_target(target_path, impl=args.impl, dtype=dtype, device=args.device)
+    drafter = None
+    if need_drafter:
+        drafter = load_drafter(drafter_path, target, dtype=dtype, device=args.device)
+    return LoadedModels(target, drafter, TextCodec(target_path), target_path, drafter_path)
+
+
+def demo_prompts(path: Path | None = None) -> list[str]:
+    """Held-out prompts (JSON list of strings), by default the demo pair's."""
+    path = path or DEMO_DIR / "prompts.json"
+    try:
+        prompts = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"error: {path}: prompts file not found") from None
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: {path}: not JSON ({e})") from None
+    if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts):
+        raise SystemExit(f"error: {path}: expected a JSON list of non-empty strings")
+    return prompts
+
+
+def summary_tables(points, title: str):
+    """Two rich tables, one row per sweep point: the headline figures, and the stage
+    breakdown in ms per step (split so each fits an 80-column terminal)."""
+    from rich.table import Table
+
+    from ddtree.engine.sweep import speedups
+    from ddtree.records import ENGINE_STAGES
+
+    ratio = speedups(points)
+    head = Table(title=title)
+    for col in ("policy", "B", "N", "mean tau", "tok/s", "vs AR", "same as AR", "step ms"):
+        head.add_column(col, justify="left" if col == "policy" else "right")
+    stages = Table(title="ms per step by stage (overhead: outside draft and verify forwards)")
+    for col in ("policy", "N", *ENGINE_STAGES, "overhead"):
+        stages.add_column(col, justify="left" if col == "policy" else "right")
+    for i, p in enumerate(points):
+        s, c = p.summary, p.config
+        same = {None: "-", True: "yes", False: "NO"}[p.identical_to_ar]
+        block = "-" if c.policy == "ar" else str(c.block_size)
+        budget = {"ar": "0", "chain": str(c.block_size - 1)}.get(c.policy, str(c.budget))
+        head.add_row(
+            c.policy,
+            block,
+            budget,
+            f"{s['mean_tau']:.2f}",
+            f"{s['tokens_per_s']:.1f}",
+            f"{ratio[i]:.2f}x" if ratio[i] else "-",
+            same,
+            f"{s['step_s_mean'] * 1e3:.2f}",
+        )
+        stage_ms = [f"{s['stage_s_mean'][k] * 1e3:.2f}" for k in ENGINE_STAGES]
+        stages.add_row(c.policy, budget, *stage_ms, f"{s['overhead_fraction'] * 100:.0f}%")
+    return head, stages

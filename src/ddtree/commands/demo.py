@@ -1,0 +1,41 @@
+"""`ddtree demo`: the bundled pair on held-out prompts with AR, chain and DDTree, side by side."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ddtree.commands._decode import add_decode_arguments, add_model_arguments
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p, default_demo=True)
+    p.add_argument("--prompts", type=Path, help="JSON list of prompt strings (default: demo's)")
+    p.add_argument("--n-prompts", type=int, default=4, help="how many prompts to decode")
+    p.add_argument("--records", type=Path, help="engine_run records (default runs/engine-*.jsonl)")
+    p.add_argument("--show", type=int, default=2, help="print the DDTree text of this many")
+    add_decode_arguments(p, max_new_tokens=96)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ddtree.commands.bench_engine import run_sweep
+    from ddtree.engine import DecodeConfig
+
+    common = dict(
+        block_size=args.block,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    configs = [
+        DecodeConfig(policy=p, budget=args.budget, **common) for p in ("ar", "chain", "ddtree")
+    ]
+    title = (
+        f"ddtree demo: bundled MLA+MoE target + DFlash drafter, {args.n_prompts} held-out prompts, "
+        f"{args.max_new_tokens} new tokens ({args.device}, {torch.get_num_threads()} threads)"
+    )
+    return run_sweep(args, configs, title, show_text=args.show)

@@ -1,0 +1,65 @@
+"""`ddtree generate`: stream a completion from a local target (and drafter)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ddtree.commands._decode import add_decode_arguments, add_model_arguments, load_models
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p, default_demo=True)
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--policy", default="ddtree", choices=("ar", "chain", "ddtree"))
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stats", action="store_true", help="print tau and tokens/s to stderr")
+    add_decode_arguments(p, max_new_tokens=128)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddtree.engine import DecodeConfig, generate
+
+    config = DecodeConfig(
+        policy=args.policy,
+        block_size=args.block,
+        budget=args.budget,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_strings=tuple(args.stop),
+    )
+    models = load_models(args, need_drafter=args.policy != "ar", default_demo=True)
+    codec = models.codec
+    prompt_ids = codec.encode(args.prompt)
+    committed = list(prompt_ids)
+    shown = codec.decode(committed)
+
+    def show(text: str) -> None:
+        # print what the text gained; decode prompt + completion together so that pieces that
+        # merge across the boundary (spaces, multi-byte characters) come out right
+        nonlocal shown
+        if text.startswith(shown):
+            sys.stdout.write(text[len(shown) :])
+            sys.stdout.flush()
+            shown = text
+
+    def stream(new_tokens: list[int]) -> None:
+        committed.extend(new_tokens)
+        show(codec.decode(committed))
+
+    sys.stdout.write(args.prompt)
+    result = generate(models.target, models.drafter, prompt_ids, config, codec, on_commit=stream)
+    show(codec.decode(list(prompt_ids) + result.tokens))  # the final text, after stop truncation
+    sys.stdout.write("\n")
+    if args.stats:
+        steps = len(result.steps)
+        tok_s = sum(result.taus) / result.decode_s if result.decode_s else 0.0
+        print(
+            f"[{args.policy}] {len(result.tokens)} tokens, {steps} steps, mean tau "
+            f"{result.mean_tau:.2f}, {tok_s:.1f} tok/s, stop: {result.stop_reason}",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,77 @@
+"""Run several decode configurations over one prompt set and summarise them side by side.
+
+Used by ``ddtree demo`` and ``ddtree bench engine``: the same prompts, the same models, one
+run, so the ratios between configurations (speedup over AR, overhead share) are measured
+under the same machine load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from ddtree.engine.loop import DecodeConfig, GenerationResult, generate
+from ddtree.engine.runrecord import summarize
+from ddtree.models.base import Drafter, Target
+
+
+@dataclass
+class SweepPoint:
+    config: DecodeConfig
+    results: list[GenerationResult]  # one per prompt, in prompt order
+    summary: dict  # ``summarize(results)``: mean_tau, tokens_per_s, stage_s_mean, ...
+    identical_to_ar: bool | None  # greedy output equals the AR run's; None without AR / sampled
+
+
+def sweep(
+    target: Target,
+    drafter: Drafter | None,
+    prompts: Sequence[Sequence[int]],
+    configs: Sequence[DecodeConfig],
+    tokenizer=None,
+    on_result: Callable[[DecodeConfig, int], None] | None = None,
+    warmup_tokens: int = 8,
+) -> list[SweepPoint]:
+    """Decode every prompt under every config. ``on_result(config, prompt_index)`` is called
+    after each generation (for progress bars). A short untimed warm-up per config first."""
+    if not prompts:
+        raise ValueError("no prompts to decode")
+    points = []
+    for config in configs:
+        model = drafter if config.policy != "ar" else None
+        warm = replace(config, max_new_tokens=min(warmup_tokens, config.max_new_tokens))
+        generate(target, model, prompts[0], warm, tokenizer)
+        results = []
+        for i, prompt in enumerate(prompts):
+            results.append(generate(target, model, prompt, config, tokenizer))
+            if on_result is not None:
+                on_result(config, i)
+        points.append(SweepPoint(config, results, summarize(results), None))
+    _compare_with_ar(points)
+    return points
+
+
+def _compare_with_ar(points: list[SweepPoint]) -> None:
+    """Greedy points get ``identical_to_ar`` from an AR point with the same stop settings."""
+    for point in points:
+        c = point.config
+        if not c.greedy:
+            continue
+        for ar in points:
+            a = ar.config
+            same_stops = (a.max_new_tokens, a.stop_strings, a.eos_token_ids) == (
+                c.max_new_tokens,
+                c.stop_strings,
+                c.eos_token_ids,
+            )
+            if a.policy == "ar" and a.greedy and same_stops:
+                point.identical_to_ar = all(
+                    r.tokens == b.tokens for r, b in zip(point.results, ar.results, strict=True)
+                )
+                break
+
+
+def speedups(points: Sequence[SweepPoint]) -> dict[int, float | None]:
+    """tokens/s of each point over the first AR point's (index -> ratio, None without AR)."""
+    base = next((p.summary["tokens_per_s"] for p in points if p.config.policy == "ar"), None)
+    return {i: (p.summary["tokens_per_s"] / base if base else None) for i, p in enumerate(points)}

@@ -1,0 +1,70 @@
+"""`ddtree generate` and `ddtree bench engine` on a tiny target directory made here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddtree.cli import main
+from ddtree.records import read_records
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+WORDS = [f"w{i}" for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    import torch
+    from tests.engine.helpers import TINY
+
+    path = tmp_path_factory.mktemp("tiny-target")
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        **{k: v for k, v in TINY.items() if k not in ("architectures", "model_type")},
+        initializer_range=0.5,
+        eos_token_id=None,
+    )
+    transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(path)
+    vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "prompts.json").write_text(json.dumps(["w1 w2 w3", "w7 w8", "w40 w41 w42 w43"]))
+    return path
+
+
+def test_generate_streams_the_ar_completion(target_dir, capsys):
+    argv = ["generate", "--target", str(target_dir), "--policy", "ar", "--prompt", "w1 w2 w3"]
+    assert main(argv + ["--max-new-tokens", "6", "--stats"]) == 0
+    out = capsys.readouterr()
+    words = out.out.split()
+    assert words[:3] == ["w1", "w2", "w3"] and len(words) >= 3 + 6 - 1  # <unk> decodes to nothing
+    assert "[ar] 6 tokens" in out.err
+
+
+def test_bench_engine_writes_one_valid_record_per_config(target_dir, tmp_path, capsys):
+    records = tmp_path / "runs.jsonl"
+    argv = ["bench", "engine", "--target", str(target_dir), "--policies", "ar"]
+    argv += ["--prompts", str(target_dir / "prompts.json"), "--max-new-tokens", "5"]
+    argv += ["--records", str(records), "--n-prompts", "2"]
+    assert main(argv) == 0
+    (rec,) = read_records(records)
+    assert rec.kind == "engine_run" and rec.config["policy"] == "ar"
+    assert rec.config["prompts"]["count"] == 2
+    assert rec.summary["new_tokens"] == 10 and rec.summary["mean_tau"] == 1.0
+    assert "tok/s" in capsys.readouterr().out
+
+
+def test_commands_report_bad_input_without_a_traceback(target_dir, tmp_path, capsys):
+    assert main(["generate", "--target", str(tmp_path), "--policy", "ar", "--prompt", "w1"]) == 2
+    assert "config.json" in capsys.readouterr().err
+    bad = tmp_path / "prompts.json"
+    bad.write_text('{"not": "a list"}')
+    argv = ["bench", "engine", "--target", str(target_dir), "--policies", "ar"]
+    with pytest.raises(SystemExit, match="expected a JSON list of non-empty strings"):
+        main(argv + ["--prompts", str(bad)])
+    with pytest.raises(SystemExit, match="needs --drafter"):
+        main(["generate", "--target", str(target_dir), "--prompt", "w1"])
