@@ -1,0 +1,1 @@
+"""Recipes that reproduce the bundled demo pair: corpus, tokenizer, target, drafter, evaluation."""
