@@ -1,0 +1,401 @@
+"""The DFlash block drafter (our implementation of the architecture; z-lab checkpoint format).
+
+Architecture (one forward proposes a whole block):
+
+- Context: target hidden states of ``target_layer_ids`` (decoder-layer indices, HF
+  ``hidden_states[id + 1]``) concatenated per token, projected by ``fc`` and normalised by
+  ``hidden_norm``: one context feature ``[H]`` per committed token, shared by every layer.
+- Block: ``[root, MASK x (B-1)]`` embedded with the target's embedding (times
+  ``input_embedding_scale``), run through Qwen3-style layers (q/k RMSNorm per head, RoPE with
+  ``rotate_half``, GQA, SiLU MLP). In every layer the same ``k_proj``/``v_proj`` apply to the
+  context features and to the block; the block attends to all context and to the whole block
+  (not causal).
+- Output: the final norm, then the target's LM head (times ``output_multiplier``, optional
+  tanh soft-capping) at the B-1 mask positions.
+
+Positions: context token t sits at its absolute position; the block's root sits right after
+the context. Because a layer's context keys/values depend only on the context features, the
+decoding drafter caches them and appends the newly committed tokens each step; the block's
+own keys/values are recomputed every step and never kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.models.base import ModelInfo
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int  # B
+    mask_token_id: int
+    target_layer_ids: list[int]  # decoder-layer indices of the target (HF hidden_states id - 1)
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    max_position_embeddings: int = 40960
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @property
+    def context_features(self) -> int:
+        """F: width of the concatenated target hidden states."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @classmethod
+    def from_dict(cls, cfg: dict, source: str = "config.json") -> DFlashConfig:
+        from ddtree.models import drafter_target_layer_ids
+
+        def need(name: str):
+            if cfg.get(name) is None:
+                raise ValueError(f"{source}: missing field {name!r} (a DFlash drafter config)")
+            return cfg[name]
+
+        dflash = cfg.get("dflash_config") or {}
+        if any(t != "full_attention" for t in cfg.get("layer_types") or []):
+            raise ValueError(f"{source}: field layer_types: only full_attention is supported")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"{source}: rope type {rope_type!r}: only default RoPE is supported")
+        rope_theta = cfg.get("rope_theta") or rope.get("rope_theta") or 1_000_000.0
+        mask_token_id = dflash.get("mask_token_id", cfg.get("mask_token_id"))
+        if mask_token_id is None:
+            raise ValueError(f"{source}: missing field dflash_config.mask_token_id")
+        layer_ids = drafter_target_layer_ids(cfg)
+        if not layer_ids:
+            raise ValueError(f"{source}: missing field dflash_config.target_layer_ids")
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        softcap = dflash.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(need("vocab_size")),
+            block_size=int(dflash.get("block_size", cfg.get("block_size", 16))),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=layer_ids,
+            num_target_layers=int(cfg.get("num_target_layers") or max(layer_ids) + 1),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            input_embedding_scale=float(
+                dflash.get("input_embedding_scale", cfg.get("input_embedding_scale", 1.0))
+            ),
+            output_multiplier=float(
+                dflash.get("output_multiplier", cfg.get("output_multiplier", 1.0))
+            ),
+            final_logit_softcapping=None if softcap is None else float(softcap),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+        )
+
+    def to_dict(self) -> dict:
+        """A z-lab-format ``config.json`` (Qwen3 fields + DFlash fields)."""
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+        }
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
+    """positions [..., T] -> cos, sin [..., T, head_dim] (halves repeated, ``rotate_half``)."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    )
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, head_dim / 2]
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [R, heads, T, D]; cos/sin [R, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.c = c
+        q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, q_out, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, kv_out, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, kv_out, bias=c.attention_bias)
+        self.o_proj = nn.Linear(q_out, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R, T, H] -> k, v [R, kv_heads, T, D] (k normalised and rotated)."""
+        r, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(r, t, -1, self.c.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(r, t, -1, self.c.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v) -> torch.Tensor:
+        """x [R, B, H] block; ctx_k/ctx_v [R, kv_heads, C, D]. Block attends to all."""
+        r, b, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(r, b, -1, self.c.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)  # [R, heads, B, D]
+        k, v = self.keys_values(x, cos, sin)
+        k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)  # [R, kv_heads, C+B, D]
+        groups = self.c.num_attention_heads // self.c.num_key_value_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.c.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(r, b, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashModel(nn.Module):
+    """The drafter's own weights (parameter names as in z-lab checkpoints)."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
+        self.fc = nn.Linear(c.context_features, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def context(self, context_hidden: torch.Tensor) -> torch.Tensor:
+        """[R, C, F] target hidden states -> [R, C, H] context features."""
+        return self.hidden_norm(self.fc(context_hidden))
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple]:
+        """Per layer (k, v) [R, kv_heads, C, D] of context features [R, C, H] at [R, C]."""
+        cos, sin = rope_cos_sin(
+            positions, self.config.head_dim, self.config.rope_theta, features.dtype
+        )
+        return [layer.self_attn.keys_values(features, cos, sin) for layer in self.layers]
+
+    def block_hidden(self, block_emb, block_positions, ctx_kv) -> torch.Tensor:
+        """block_emb [R, B, H] at block_positions [R, B] -> final-normed hidden [R, B, H]."""
+        c = self.config
+        cos, sin = rope_cos_sin(block_positions, c.head_dim, c.rope_theta, block_emb.dtype)
+        x = block_emb
+        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, cos, sin, k, v)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        out = lm_head(hidden) * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    def block_logits(
+        self,
+        context_hidden: torch.Tensor,  # [R, C, F] target hidden states of the context tokens
+        block_ids: torch.Tensor,  # [R, B] int64: [root, MASK x (B-1)] (or any block tokens)
+        embed_tokens: nn.Module,  # the target's embedding
+        lm_head: nn.Module,  # the target's LM head
+        context_positions: torch.Tensor | None = None,  # [R, C] int64; default 0..C-1
+        block_positions: torch.Tensor | None = None,  # [R, B] int64; default C..C+B-1
+    ) -> torch.Tensor:
+        """Batched forward for training and tests: logits [R, B-1, V] for the block's positions
+        1..B-1 (the tokens after the root). Differentiable."""
+        r, ctx_len, _ = context_hidden.shape
+        b = block_ids.shape[1]
+        device = context_hidden.device
+        if context_positions is None:
+            context_positions = torch.arange(ctx_len, device=device).expand(r, ctx_len)
+        if block_positions is None:
+            block_positions = torch.arange(ctx_len, ctx_len + b, device=device).expand(r, b)
+        feats = self.context(context_hidden)
+        emb = embed_tokens(block_ids) * self.config.input_embedding_scale
+        hidden = self.block_hidden(
+            emb.to(feats.dtype), block_positions, self.context_kv(feats, context_positions)
+        )
+        return self.logits(hidden[:, 1:], lm_head)
+
+
+class DFlashDrafter:
+    """The ``Drafter`` protocol over :class:`DFlashModel` for one request, with an incremental
+    context cache (per layer keys/values of every committed token seen so far)."""
+
+    def __init__(
+        self, model: DFlashModel, embed_tokens: nn.Module, lm_head: nn.Module, name="dflash"
+    ):
+        self.model = model.eval()
+        self.config = model.config
+        self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.block_size = self.config.block_size
+        # the Drafter protocol indexes hidden states as transformers does (0 = embeddings)
+        self.target_layer_ids = [i + 1 for i in self.config.target_layer_ids]
+        c = self.config
+        self.info = ModelInfo(
+            name=name,
+            architecture=ARCHITECTURE,
+            implementation="dflash",
+            n_params=sum(p.numel() for p in model.parameters()),
+            num_layers=c.num_hidden_layers,
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_position=c.max_position_embeddings,
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        self.seen = 0  # committed tokens whose context features are cached
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @torch.inference_mode()
+    def propose(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        assert context_hidden.dim() == 2, context_hidden.shape  # [T_new, F]
+        c, t_new = self.config, int(context_hidden.shape[0])
+        if context_hidden.shape[1] != c.context_features:
+            raise ValueError(
+                f"context_hidden has {context_hidden.shape[1]} features; the drafter expects "
+                f"{c.context_features} ({len(c.target_layer_ids)} target layers x {c.hidden_size})"
+            )
+        if t_new:
+            positions = torch.arange(self.seen, self.seen + t_new, device=self.device)[None]
+            feats = self.model.context(context_hidden.to(self.device, self.dtype)[None])
+            new = self.model.context_kv(feats, positions)
+            if self._kv is None:
+                self._kv = new
+            else:
+                self._kv = [
+                    (torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                    for (k, v), (nk, nv) in zip(self._kv, new, strict=True)
+                ]
+            self.seen += t_new
+        if self._kv is None:
+            raise ValueError(
+                "propose() needs context: the first call must carry the prompt's hidden states"
+            )
+        ids = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[0, 0] = root_token
+        positions = torch.arange(self.seen, self.seen + c.block_size, device=self.device)[None]
+        emb = self.embed_tokens(ids).to(self.dtype) * c.input_embedding_scale
+        hidden = self.model.block_hidden(emb, positions, self._kv)
+        return self.model.logits(hidden[0, 1:], self.lm_head)  # [B-1, V]
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        target,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> DFlashDrafter:
+        """Load a z-lab-format directory (config.json + safetensors) for ``target``, whose
+        embedding and LM head it shares. ``dtype``/``device`` None: the target's."""
+        from ddtree.models import check_drafter_compat
+        from ddtree.models.checkpoint import load_safetensors, match_state_dict, read_config
+
+        path = Path(path)
+        source = str(path / "config.json")
+        raw = read_config(path)
+        check_drafter_compat(raw, target.info, source)
+        config = DFlashConfig.from_dict(raw, source)
+        dtype = dtype or target.dtype
+        device = device or target.device
+        with torch.device("meta"):
+            model = DFlashModel(config)
+        tensors = load_safetensors(path)
+        # published drafters may carry the target's embedding/head copies: not ours to load
+        tensors = {
+            k: v for k, v in tensors.items() if not k.startswith(("embed_tokens.", "lm_head."))
+        }
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        match_state_dict(expected, tensors, str(path))
+        model = model.to_empty(device=device)
+        model.load_state_dict(tensors)
+        return cls(model.to(dtype), target.embed_tokens, target.lm_head, name=path.name)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        from ddtree.models.checkpoint import save_safetensors
+
+        save_safetensors(path, self.model.state_dict(), self.config.to_dict())
