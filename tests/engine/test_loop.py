@@ -216,3 +216,31 @@ def test_greedy_lossless_on_hugging_face_targets(kind):
                     policy, block_size=block, budget=budget, max_new_tokens=30, eos_token_ids=()
                 )
                 assert generate(target, drafter, prompt, cfg).tokens == ar.tokens, (policy, block)
+
+
+@pytest.mark.parametrize("block", [4, 8, 16])
+def test_greedy_lossless_with_a_random_dflash_drafter(target, block):
+    from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "vocab_size": 61,
+        "rope_theta": 10000.0,
+        "block_size": block,
+        "dflash_config": {"mask_token_id": 60, "target_layer_ids": [0, 1]},
+    }
+    torch.manual_seed(block)
+    drafter = DFlashDrafter(
+        DFlashModel(DFlashConfig.from_dict(raw)), target.embed_tokens, target.lm_head
+    )
+    for prompt in PROMPTS:
+        ar = _ar(target, prompt, n=24)
+        for policy, budget in (("chain", 0), ("ddtree", 4), ("ddtree", 32)):
+            cfg = DecodeConfig(policy, block_size=block, budget=budget, max_new_tokens=24)
+            assert generate(target, drafter, prompt, cfg).tokens == ar.tokens, (policy, budget)
