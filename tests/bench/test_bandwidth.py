@@ -89,6 +89,7 @@ def test_command_writes_valid_records_and_one_json_line(tmp_path, capsys):
     for r in records:
         assert [p["buffer_bytes"] for p in r.points] == [MIB, 2 * MIB]
         assert r.summary["bytes_per_s"] > 0
+        assert {"load_avg_1min", "omp_wait_policy", "threads"} <= set(r.config)
 
 
 def test_command_rejects_unknown_method(capsys):

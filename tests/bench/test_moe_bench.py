@@ -186,6 +186,7 @@ def test_command_writes_bench_moe_records(tmp_path, capsys):
     assert [r.config["precision"] for r in records] == ["bf16", "int4"]
     for r in records:
         assert r.config["n_routed_experts"] == 16 and r.config["top_k"] == 2
+        assert {"load_avg_1min", "omp_wait_policy", "threads"} <= set(r.config)
         assert r.summary["peak_bytes_per_s"] == 2e10
         assert [p["m"] for p in r.points] == [1, 8]
         need = {"m", "s_per_layer", "experts_touched", "bytes_moved", "bytes_per_s"}

@@ -17,6 +17,7 @@ bandwidth a kernel of that shape gets, which is what the estimator needs. Rates 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -92,6 +93,18 @@ def last_level_cache_bytes() -> int | None:
             continue
         best = value if best is None else max(best, value)
     return best
+
+
+def host_conditions() -> dict:
+    """What else shaped a CPU measurement: the 1-minute load average (other processes on the
+    cores) and ``OMP_WAIT_POLICY`` (with more busy threads than cores, OpenMP's default
+    spin-waiting can make a multi-threaded run 100x slower; ``PASSIVE`` avoids it)."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {
+        "load_avg_1min": load,
+        "cpu_cores": os.cpu_count(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    }
 
 
 def measure(

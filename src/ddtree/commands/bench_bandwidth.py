@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.bench.bandwidth import (
         MIB,
         bench_bandwidth,
+        host_conditions,
         last_level_cache_bytes,
         resolve_devices,
         to_records,
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    host = host_conditions()  # before we load the cores ourselves
     llc = last_level_cache_bytes()
     console = Console()
     llc_text = f"LLC {llc / MIB:.0f} MiB" if llc else "LLC unknown"
@@ -118,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "statistic": "median",
+        **host,
         "llc_bytes": llc,
     }
     records = to_records(points, hw, config)

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ddtree.bench.bandwidth import last_level_cache_bytes
+    from ddtree.bench.bandwidth import host_conditions, last_level_cache_bytes
     from ddtree.bench.moe import bench_moe, build_layer, gib, total_weight_bytes
     from ddtree.records import HardwareInfo, Record, RecordError, write_records
 
@@ -175,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         device = args.device
     if args.threads:
         torch.set_num_threads(args.threads)
+    host = host_conditions()  # before we load the cores ourselves
     try:
         shape, source = _shape(args)
         # the INT4 layer is packed from a BF16 one, so both exist for a moment
@@ -252,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
                 "repeats": args.repeats,
                 "warmup": args.warmup,
                 "statistic": "median",
+                **host,
                 "routing": "random router rows of equal norm, Gaussian tokens, fresh per call",
             }
             summary = {
