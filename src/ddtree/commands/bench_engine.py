@@ -9,25 +9,20 @@ from pathlib import Path
 from ddtree.commands._decode import (
     add_decode_arguments,
     add_model_arguments,
+    decode_config,
     demo_prompts,
+    int_list,
     load_models,
     summary_tables,
 )
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, default_demo=True)
     p.add_argument("--policies", default="ar,chain,ddtree", help="comma-separated: ar,chain,ddtree")
-    p.add_argument("--budgets", type=_ints, default=[8, 16, 32, 64, 128], help="DDTree budgets N")
+    p.add_argument(
+        "--budgets", type=int_list, default=[8, 16, 32, 64, 128], help="DDTree budgets N"
+    )
     p.add_argument("--prompts", type=Path, help="JSON list of prompt strings (default: demo's)")
     p.add_argument("--n-prompts", type=int, default=0, help="use the first n prompts (0: all)")
     p.add_argument(
@@ -37,22 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def configs_from_args(args: argparse.Namespace):
-    from ddtree.engine import DecodeConfig
-
     policies = [x for x in args.policies.split(",") if x]
-    common = dict(
-        block_size=args.block,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
-    configs = []
-    for policy in policies:
-        budgets = args.budgets if policy == "ddtree" else [args.budget]
-        configs += [DecodeConfig(policy=policy, budget=n, **common) for n in budgets]
-    return configs
+    return [
+        decode_config(args, policy, n)
+        for policy in policies
+        for n in (args.budgets if policy == "ddtree" else [args.budget])
+    ]
 
 
 def run_sweep(args, configs, title: str, show_text: int = 0) -> int:

@@ -5,23 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+from ddtree.commands._decode import int_list
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--blocks", type=_ints, default=[8, 16], help="block sizes B (default 8,16)")
+    p.add_argument("--blocks", type=int_list, default=[8, 16], help="block sizes B (default 8,16)")
     p.add_argument(
-        "--budgets", type=_ints, default=[16, 32, 64, 128, 256, 512, 1024], help="budgets N"
+        "--budgets", type=int_list, default=[16, 32, 64, 128, 256, 512, 1024], help="budgets N"
     )
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size V (Qwen3: 151936)")
-    p.add_argument("--batch", type=_ints, default=[1, 64], help="batched-builder request counts R")
+    p.add_argument(
+        "--batch", type=int_list, default=[1, 64], help="batched-builder request counts R"
+    )
     p.add_argument("--repeats", type=int, default=20, help="timed calls per point (median)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--records", help="append a bench_tree measurement record to this JSONL file")

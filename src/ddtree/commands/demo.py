@@ -20,20 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ddtree.commands._decode import decode_config
     from ddtree.commands.bench_engine import run_sweep
-    from ddtree.engine import DecodeConfig
 
-    common = dict(
-        block_size=args.block,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
-    configs = [
-        DecodeConfig(policy=p, budget=args.budget, **common) for p in ("ar", "chain", "ddtree")
-    ]
+    configs = [decode_config(args, policy) for policy in ("ar", "chain", "ddtree")]
     title = (
         f"ddtree demo: bundled MLA+MoE target + DFlash drafter, {args.n_prompts} held-out prompts, "
         f"{args.max_new_tokens} new tokens ({args.device}, {torch.get_num_threads()} threads)"

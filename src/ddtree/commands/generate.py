@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddtree.commands._decode import add_decode_arguments, add_model_arguments, load_models
+from ddtree.commands._decode import (
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config,
+    load_models,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,19 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddtree.engine import DecodeConfig, generate
+    from ddtree.engine import generate
 
-    config = DecodeConfig(
-        policy=args.policy,
-        block_size=args.block,
-        budget=args.budget,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop_strings=tuple(args.stop),
-    )
+    config = decode_config(args, args.policy, stop_strings=tuple(args.stop))
     models = load_models(args, need_drafter=args.policy != "ar", default_demo=True)
     codec = models.codec
     prompt_ids = codec.encode(args.prompt)
