@@ -10,24 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from ddtree.train.corpus import list_corpus, read_texts, sample_windows
-from ddtree.train.target import TargetShape, TargetTrainConfig, train_target
+from ddtree.train.target import TargetTrainConfig, train_target
 from ddtree.train.tokenizer import EOS_TOKEN, MASK_TOKEN, special_id, train_tokenizer
-
-TINY = TargetShape(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    q_lora_rank=32,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=16,
-    max_position_embeddings=256,
-)
 
 
 def tiny_cfg(steps: int) -> TargetTrainConfig:
@@ -73,15 +57,17 @@ def test_sample_windows_is_deterministic():
 
 
 @pytest.mark.slow
-def test_target_trains_resumes_exactly_and_loads(tmp_path):
+def test_target_trains_resumes_exactly_and_loads(tmp_path, tiny_shape):
     torch.set_num_threads(1)
-    straight = train_target(tiny_cfg(6), tmp_path / "a", shape=TINY, show_progress=False)
+    straight = train_target(tiny_cfg(6), tmp_path / "a", shape=tiny_shape, show_progress=False)
     assert straight.losses[-1] < straight.losses[0]
     # a run stopped after 3 steps and resumed to 6 ends with the same weights
-    stopped = train_target(tiny_cfg(6), tmp_path / "b", shape=TINY, show_progress=False, stop_at=3)
+    stopped = train_target(
+        tiny_cfg(6), tmp_path / "b", shape=tiny_shape, show_progress=False, stop_at=3
+    )
     assert stopped.steps == 3 and not (tmp_path / "b" / "model.safetensors").exists()
     resumed = train_target(
-        tiny_cfg(6), tmp_path / "b", shape=TINY, resume=True, show_progress=False
+        tiny_cfg(6), tmp_path / "b", shape=tiny_shape, resume=True, show_progress=False
     )
     assert resumed.steps == 6
     wa = load_file(str(tmp_path / "a" / "checkpoint" / "model.safetensors"))
@@ -111,9 +97,9 @@ def test_target_trains_resumes_exactly_and_loads(tmp_path):
     torch.testing.assert_close(ours.prefill(ids).logits, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_resume_refuses_a_different_config(tmp_path):
+def test_resume_refuses_a_different_config(tmp_path, tiny_shape):
     torch.set_num_threads(1)
-    train_target(tiny_cfg(1), tmp_path, shape=TINY, show_progress=False)
+    train_target(tiny_cfg(1), tmp_path, shape=tiny_shape, show_progress=False)
     other = TargetTrainConfig(**{**tiny_cfg(2).__dict__, "lr": 5e-3})
     with pytest.raises(ValueError, match="lr"):
-        train_target(other, tmp_path, shape=TINY, resume=True, show_progress=False)
+        train_target(other, tmp_path, shape=tiny_shape, resume=True, show_progress=False)

@@ -1,0 +1,289 @@
+"""Train the bundled DFlash drafter on the frozen bundled target.
+
+Recipe: the target regenerates the data (greedy continuations of corpus prompts, see
+``ddtree.train.data``); its hidden states at ``target_layer_ids`` are computed once for every
+sequence. Each step takes ``seqs_per_step`` sequences and ``anchors_per_step`` random anchor
+positions ``a`` inside the generated part; for each anchor the block is
+``[token a, MASK x (B-1)]`` after the context ``0..a-1`` and the loss is the cross-entropy on
+tokens ``a+1 .. a+B-1``, position ``j`` (1-based) weighted by ``exp(-(j-1)/gamma)`` (early
+positions decide acceptance, so they matter most). The context keys/values of a sequence are
+computed once per step and sliced per anchor, as the decoding drafter's cache would hold them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.train.corpus import (
+    encode_stream,
+    heldout_prompts,
+    list_corpus,
+    read_texts,
+)
+from ddtree.train.data import SEQUENCES_FILE, build_sequences, load_sequences, save_sequences
+from ddtree.train.progress import train_progress
+from ddtree.train.state import TrainState, load_checkpoint, lr_at, save_checkpoint
+from ddtree.train.tokenizer import EOS_TOKEN, MASK_TOKEN, load_tokenizer, special_id
+
+EXPORT_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 512
+    block_size: int = 8
+    target_layer_ids: tuple[int, ...] = (1, 3)  # decoder-layer indices of the target
+    rope_theta: float = 10000.0
+
+
+@dataclass(frozen=True)
+class DrafterTrainConfig:
+    steps: int = 1200
+    seqs_per_step: int = 32
+    anchors_per_step: int = 8
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    loss_gamma: float = 4.0  # position weight exp(-(j-1)/gamma)
+    n_sequences: int = 1024
+    prompt_len: int = 64
+    new_tokens: int = 128
+    gen_batch: int = 128
+    seed: int = 0
+    max_files: int | None = None
+    save_every: int = 100
+    log_every: int = 10
+    eval_prompts: int = 8
+    eval_budget: int = 32
+    eval_new_tokens: int = 96
+
+
+@dataclass
+class DrafterTrainResult:
+    out: Path
+    steps: int
+    losses: list[float]
+    elapsed_s: float
+    n_params: int
+    mean_tau: float  # greedy, eval_budget, on held-out prompts (nan when stopped early)
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[B-1] float, normalised to sum 1: exp(-(j-1)/gamma) for j = 1..B-1."""
+    w = torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
+    return w / w.sum()
+
+
+def load_frozen_target(target_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def target_hidden(model, sequences: torch.Tensor, layer_ids, batch: int = 32) -> torch.Tensor:
+    """[S, T] -> [S, T, n_layers * H] float32: hidden states after the listed decoder layers
+    (transformers' ``hidden_states[id + 1]``; the last layer's is after the final norm)."""
+    out = []
+    for begin in range(0, sequences.shape[0], batch):
+        hs = model(input_ids=sequences[begin : begin + batch], output_hidden_states=True)
+        out.append(torch.cat([hs.hidden_states[i + 1] for i in layer_ids], -1))
+    return torch.cat(out)
+
+
+def drafter_config(shape: DrafterShape, target_config, mask_id: int):
+    from ddtree.models.dflash import DFlashConfig
+
+    return DFlashConfig(
+        hidden_size=target_config.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        vocab_size=target_config.vocab_size,
+        block_size=shape.block_size,
+        mask_token_id=mask_id,
+        target_layer_ids=list(shape.target_layer_ids),
+        num_target_layers=target_config.num_hidden_layers,
+        rope_theta=shape.rope_theta,
+        max_position_embeddings=target_config.max_position_embeddings,
+    )
+
+
+def _init_weights(model) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+
+
+def step_loss(model, target, seqs, hidden, anchors, mask_id, weights) -> tuple[torch.Tensor, float]:
+    """Weighted block loss over ``anchors`` (list of positions shared by all rows).
+
+    seqs [R, T] int64, hidden [R, T, F]; returns (loss, top-1 accuracy at block position 1).
+    """
+    r, t = seqs.shape
+    b = weights.shape[0] + 1
+    positions = torch.arange(t).expand(r, t)
+    feats = model.context(hidden)  # [R, T, H]
+    kv = model.context_kv(feats, positions)  # per layer [R, kv_heads, T, D]
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    total, correct = 0.0, 0
+    for a in anchors:
+        block = torch.full((r, b), mask_id, dtype=torch.int64)
+        block[:, 0] = seqs[:, a]
+        emb = embed(block)
+        kv_a = [(k[:, :, :a], v[:, :, :a]) for k, v in kv]
+        h = model.block_hidden(emb, torch.arange(a, a + b).expand(r, b), kv_a)
+        logits = model.logits(h[:, 1:], head)  # [R, B-1, V]
+        labels = seqs[:, a + 1 : a + b]  # [R, B-1]
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        total = total + (ce.view(r, b - 1) * weights).sum(-1).mean()
+        correct += int((logits[:, 0].argmax(-1) == labels[:, 0]).sum())
+    return total / len(anchors), correct / (r * len(anchors))
+
+
+def train_drafter(
+    cfg: DrafterTrainConfig,
+    target_dir: Path,
+    out: Path,
+    shape: DrafterShape = DrafterShape(),
+    resume: bool = False,
+    show_progress: bool = True,
+    stop_at: int | None = None,
+) -> DrafterTrainResult:
+    from ddtree.models.dflash import DFlashModel
+
+    target_dir, out = Path(target_dir), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(target_dir)
+    eos_id, mask_id = special_id(tok, EOS_TOKEN), special_id(tok, MASK_TOKEN)
+    split = list_corpus(max_files=cfg.max_files)
+    target = load_frozen_target(target_dir)
+
+    with train_progress(disable=not show_progress) as bar:
+        if (out / SEQUENCES_FILE).is_file() and resume:
+            sequences, prompt_len = load_sequences(out)
+        else:
+            stream = encode_stream(tok, read_texts(split.train), eos_id)
+            gen_task = bar.add_task("regenerate", total=cfg.n_sequences, loss="-", rate="")
+            sequences = build_sequences(
+                target,
+                stream,
+                cfg.n_sequences,
+                cfg.prompt_len,
+                cfg.new_tokens,
+                seed=cfg.seed + 17,
+                batch_size=cfg.gen_batch,
+                on_batch=lambda n: bar.advance(gen_task, n),
+            )
+            prompt_len = cfg.prompt_len
+            save_sequences(out, sequences, prompt_len)
+        hidden = target_hidden(target, sequences, shape.target_layer_ids)  # [S, T, F]
+
+        torch.manual_seed(cfg.seed)
+        model = DFlashModel(drafter_config(shape, target.config, mask_id)).float().train()
+        _init_weights(model)
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+        )
+        run_config = {"train": asdict(cfg), "shape": asdict(shape), "target": str(target_dir)}
+        run_config["shape"]["target_layer_ids"] = list(shape.target_layer_ids)
+        state = load_checkpoint(out, model, opt, run_config) if resume else TrainState()
+
+        weights = position_weights(shape.block_size, cfg.loss_gamma)
+        n_seq, seq_len = sequences.shape
+        first_anchor, last_anchor = prompt_len - 1, seq_len - shape.block_size
+        interval: list[tuple[float, float]] = []
+        t0 = time.perf_counter() - state.elapsed_s
+        task = bar.add_task("drafter", total=cfg.steps, completed=state.step, loss="-", rate="")
+        while state.step < min(cfg.steps, stop_at or cfg.steps):
+            step = state.step
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps)
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            rows = torch.randint(0, n_seq, (cfg.seqs_per_step,), generator=gen)
+            anchors = torch.randint(
+                first_anchor, last_anchor + 1, (cfg.anchors_per_step,), generator=gen
+            ).tolist()
+            loss, acc = step_loss(
+                model, target, sequences[rows], hidden[rows], anchors, mask_id, weights
+            )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            interval.append((float(loss.detach()), acc))
+            state.step += 1
+            if state.step % cfg.log_every == 0 or state.step in (cfg.steps, stop_at):
+                state.losses.append(sum(x for x, _ in interval) / len(interval))
+                mean_acc = sum(a for _, a in interval) / len(interval)
+                interval.clear()
+                state.elapsed_s = time.perf_counter() - t0
+                bar.update(task, loss=f"{state.losses[-1]:.3f}", rate=f"acc@1 {mean_acc:.2f}")
+            if state.step % cfg.save_every == 0 or state.step in (cfg.steps, stop_at):
+                state.elapsed_s = time.perf_counter() - t0
+                save_checkpoint(out, model, opt, state, run_config)
+            bar.update(task, completed=state.step)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    if state.step < cfg.steps:
+        return DrafterTrainResult(
+            out, state.step, state.losses, state.elapsed_s, n_params, math.nan
+        )
+    export_drafter(model, target, out)
+    mean_tau = evaluate_drafter(target_dir, out, cfg, split, tok, eos_id)
+    meta = {
+        **run_config,
+        "losses": state.losses,
+        "elapsed_s": state.elapsed_s,
+        "mean_tau": mean_tau,
+    }
+    (out / "train_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return DrafterTrainResult(out, state.step, state.losses, state.elapsed_s, n_params, mean_tau)
+
+
+def export_drafter(model, target, out: Path) -> None:
+    """config.json (z-lab DFlash format) + model.safetensors in bfloat16."""
+    import copy
+
+    from ddtree.models.dflash import DFlashDrafter
+
+    export = copy.deepcopy(model).to(EXPORT_DTYPE)
+    drafter = DFlashDrafter(export, target.get_input_embeddings(), target.get_output_embeddings())
+    drafter.save_pretrained(out)
+
+
+def evaluate_drafter(target_dir, drafter_dir, cfg: DrafterTrainConfig, split, tok, eos_id) -> float:
+    """Mean greedy tau of the exported pair on held-out prompts (our MLA+MoE target)."""
+    from ddtree.models.dflash import DFlashDrafter
+    from ddtree.models.mla_moe import MlaMoeTarget
+    from ddtree.train.eval import greedy_acceptance
+
+    target = MlaMoeTarget.from_pretrained(target_dir)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, target)
+    stream = encode_stream(tok, read_texts(split.heldout), eos_id)
+    prompts = heldout_prompts(stream, cfg.eval_prompts, cfg.prompt_len, seed=cfg.seed + 99)
+    result = greedy_acceptance(target, drafter, prompts, cfg.eval_budget, cfg.eval_new_tokens)
+    return result.mean_tau
