@@ -133,6 +133,7 @@ def demo_prompts(path: Path | None = None) -> list[str]:
 def summary_tables(points, title: str):
     """Two rich tables, one row per sweep point: the headline figures, and the stage
     breakdown in ms per step (split so each fits an 80-column terminal)."""
+    from rich import box
     from rich.table import Table
 
     from ddtree.engine.sweep import speedups
@@ -142,8 +143,12 @@ def summary_tables(points, title: str):
     head = Table(title=title)
     for col in ("policy", "B", "N", "mean tau", "tok/s", "vs AR", "same as AR", "step ms"):
         head.add_column(col, justify="left" if col == "policy" else "right")
-    stages = Table(title="ms per step by stage (overhead: outside draft and verify forwards)")
-    for col in ("policy", "N", *ENGINE_STAGES, "overhead"):
+    stages = Table(
+        title="ms per step by stage (ovhd: share of the step outside draft and verify forwards)",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 0, 0, 1),
+    )
+    for col in ("policy", "N", *ENGINE_STAGES, "ovhd"):
         stages.add_column(col, justify="left" if col == "policy" else "right")
     for i, p in enumerate(points):
         s, c = p.summary, p.config
