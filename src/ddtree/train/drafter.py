@@ -28,7 +28,7 @@ from ddtree.train.corpus import (
     read_texts,
 )
 from ddtree.train.data import SEQUENCES_FILE, build_sequences, load_sequences, save_sequences
-from ddtree.train.progress import train_progress
+from ddtree.train.progress import log_interval, train_progress
 from ddtree.train.state import TrainState, load_checkpoint, lr_at, save_checkpoint
 from ddtree.train.tokenizer import EOS_TOKEN, MASK_TOKEN, load_tokenizer, special_id
 
@@ -242,6 +242,11 @@ def train_drafter(
                 interval.clear()
                 state.elapsed_s = time.perf_counter() - t0
                 bar.update(task, loss=f"{state.losses[-1]:.3f}", rate=f"acc@1 {mean_acc:.2f}")
+                log_interval(
+                    bar,
+                    f"drafter step {state.step}/{cfg.steps} loss {state.losses[-1]:.3f} "
+                    f"acc@1 {mean_acc:.3f} {state.elapsed_s:.0f} s",
+                )
             if state.step % cfg.save_every == 0 or state.step in (cfg.steps, stop_at):
                 state.elapsed_s = time.perf_counter() - t0
                 save_checkpoint(out, model, opt, state, run_config)

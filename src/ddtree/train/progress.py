@@ -23,3 +23,10 @@ def train_progress(disable: bool = False) -> Progress:
         TimeRemainingColumn(),
         disable=disable,
     )
+
+
+def log_interval(bar: Progress, text: str) -> None:
+    """A plain line per log interval when output is not a terminal (a log file), where the
+    live bar does not render."""
+    if not bar.console.is_terminal:
+        bar.console.print(text, highlight=False)

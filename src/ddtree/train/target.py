@@ -23,7 +23,7 @@ from ddtree.train.corpus import (
     read_texts,
     sample_windows,
 )
-from ddtree.train.progress import train_progress
+from ddtree.train.progress import log_interval, train_progress
 from ddtree.train.state import TrainState, load_checkpoint, lr_at, save_checkpoint
 from ddtree.train.tokenizer import (
     EOS_TOKEN,
@@ -206,6 +206,11 @@ def train_target(
                 state.elapsed_s = time.perf_counter() - t0
                 rate = tokens_per_step * state.step / max(state.elapsed_s, 1e-9)
                 bar.update(task, loss=f"{state.losses[-1]:.3f}", rate=f"{rate:.0f} tok/s")
+                log_interval(
+                    bar,
+                    f"target step {state.step}/{cfg.steps} loss {state.losses[-1]:.3f} "
+                    f"{rate:.0f} tok/s {state.elapsed_s:.0f} s",
+                )
             if state.step % cfg.save_every == 0 or state.step in (cfg.steps, stop_at):
                 state.elapsed_s = time.perf_counter() - t0
                 save_checkpoint(out, model, opt, state, run_config)
