@@ -12,6 +12,7 @@ from torch import nn
 from ddtree.models import load_drafter
 from ddtree.models.checkpoint import CheckpointError
 from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+from ddtree.models.mla_moe import NonFiniteLogitsError
 
 TOL = 1e-4
 VOCAB, HIDDEN = 61, 32
@@ -49,32 +50,141 @@ def _shared(seed=1):
     return embed, head
 
 
-def test_block_logits_match_the_dflash_reference():
+# Reference configs: hidden 64, 2 layers, GQA; each adds one feature the drafter must honour.
+REF_BASE = dict(
+    RAW,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+REF_CONFIGS = {
+    "gqa": REF_BASE,
+    "bias_scales_softcap": dict(
+        REF_BASE,
+        attention_bias=True,
+        dflash_config=dict(
+            RAW["dflash_config"],
+            input_embedding_scale=1.7,
+            output_multiplier=0.6,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    # W = 5 < C + B, so the window hides part of the context from the block
+    "sliding": dict(
+        REF_BASE,
+        use_sliding_window=True,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        is_causal=False,
+    ),
+    "causal_sliding_default": dict(
+        REF_BASE, use_sliding_window=True, sliding_window=6, max_window_layers=1
+    ),
+}
+
+
+def _random(raw: dict, seed=0) -> tuple[DFlashModel, nn.Embedding, nn.Linear]:
+    torch.manual_seed(seed)
+    model = DFlashModel(DFlashConfig.from_dict(raw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    h, v = raw["hidden_size"], raw["vocab_size"]
+    return model, nn.Embedding(v, h), nn.Linear(h, v, bias=False)
+
+
+def _reference(raw: dict, ours: DFlashModel):
     dflash = pytest.importorskip("dflash.model")
     transformers = pytest.importorskip("transformers")
-    ours = _random_model()
-    cfg = transformers.Qwen3Config(**{k: v for k, v in RAW.items() if k != "architectures"})
-    cfg.block_size, cfg.num_target_layers = RAW["block_size"], RAW["num_target_layers"]
-    cfg.dflash_config = dict(RAW["dflash_config"])
+    cfg = transformers.Qwen3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    cfg.block_size, cfg.num_target_layers = raw["block_size"], raw["num_target_layers"]
+    cfg.dflash_config = dict(raw["dflash_config"])
+    if "is_causal" in raw:
+        cfg.is_causal = raw["is_causal"]
     ref = dflash.DFlashDraftModel(cfg).eval()
     missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
     assert not unexpected and all("rotary" in k for k in missing)
-    embed, head = _shared()
+    return ref, dflash
+
+
+def _scale(raw: dict) -> float:
+    return raw["dflash_config"].get("input_embedding_scale", 1.0)
+
+
+@pytest.mark.parametrize("name", list(REF_CONFIGS))
+def test_block_logits_match_the_dflash_reference(name):
+    raw = REF_CONFIGS[name]
+    ours, embed, head = _random(raw)
+    ref, _ = _reference(raw, ours)
     torch.manual_seed(2)
-    ctx_len, b = 9, RAW["block_size"]
-    context = torch.randn(1, ctx_len, 2 * HIDDEN)  # [R, C, F]
-    block = torch.tensor([[17] + [60] * (b - 1)])  # [R, B]
+    rows, ctx_len, b = 2, 9, raw["block_size"]
+    context = torch.randn(rows, ctx_len, 2 * raw["hidden_size"])  # [R, C, F]
+    block = torch.tensor([[17] + [60] * (b - 1), [3] + [60] * (b - 1)])  # [R, B]
     with torch.no_grad():
         got = ours.block_logits(context, block, embed, head)
         hidden = ref(
             position_ids=torch.arange(ctx_len + b)[None],
-            noise_embedding=embed(block),
+            noise_embedding=embed(block) * _scale(raw),
             target_hidden=context,
         )
         want = ref.compute_logits(hidden[:, 1:], head)
-    assert got.shape == (1, b - 1, VOCAB)
-    assert (got - want).abs().max() <= TOL
-    assert (got - want).abs().max() < 1e-2 * want.abs().max()  # and the logits are not tiny
+    assert got.shape == (rows, b - 1, raw["vocab_size"])
+    diff = float((got - want).abs().max())
+    assert diff <= TOL, diff
+    assert diff < 1e-2 * float(want.abs().max())  # and the logits are not tiny
+    assert not torch.allclose(got[0], got[1])  # rows are independent blocks
+
+
+@pytest.mark.parametrize("name", ["gqa", "sliding"])
+def test_propose_matches_the_reference_cached_decode(name):
+    """Our incremental context cache against the reference's own DynamicCache decode
+    (context k/v appended, the block's cropped away after every step)."""
+    raw = REF_CONFIGS[name]
+    ours, embed, head = _random(raw)
+    ref, dflash = _reference(raw, ours)
+    drafter = DFlashDrafter(ours, embed, head, capacity=2)  # grows several times
+    cache = dflash._make_cache(ref.config)
+    torch.manual_seed(5)
+    b, seen = raw["block_size"], 0
+    for t_new, root in ((6, 7), (1, 11), (3, 13), (2, 2)):
+        chunk = torch.randn(t_new, 2 * raw["hidden_size"])  # [T_new, F]
+        got = drafter.propose(chunk, root)
+        block = torch.tensor([[root] + [60] * (b - 1)])
+        with torch.no_grad():
+            hidden = ref(
+                position_ids=torch.arange(seen, seen + t_new + b)[None],
+                noise_embedding=embed(block) * _scale(raw),
+                target_hidden=chunk[None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            want = ref.compute_logits(hidden[0, 1:], head)
+        seen += t_new
+        dflash._crop_to(cache, seen)
+        assert drafter.seen == seen
+        assert float((got - want).abs().max()) <= TOL, (seen, float((got - want).abs().max()))
+
+
+def test_saved_drafter_loads_into_the_reference(tmp_path):
+    """Our save format is the z-lab one: the reference's from_pretrained reads it."""
+    dflash = pytest.importorskip("dflash.model")
+    raw = REF_CONFIGS["bias_scales_softcap"]
+    ours, embed, head = _random(raw)
+    DFlashDrafter(ours, embed, head).save_pretrained(tmp_path)
+    ref = dflash.DFlashDraftModel.from_pretrained(tmp_path).float().eval()
+    torch.manual_seed(6)
+    context, block = torch.randn(1, 5, 128), torch.tensor([[9, 60, 60, 60]])
+    with torch.no_grad():
+        got = ours.block_logits(context, block, embed, head)
+        hidden = ref(
+            position_ids=torch.arange(9)[None],
+            noise_embedding=embed(block) * ref.config.dflash_config["input_embedding_scale"],
+            target_hidden=context,
+        )
+        want = ref.compute_logits(hidden[:, 1:], head)
+    assert float((got - want).abs().max()) <= TOL
 
 
 def test_incremental_propose_equals_a_full_recompute():
@@ -133,8 +243,23 @@ def test_bad_drafters_get_errors_naming_the_file_and_field(tmp_path):
     nomask = dict(RAW, dflash_config={"target_layer_ids": [0, 1]})
     with pytest.raises(ValueError, match="mask_token_id"):
         DFlashConfig.from_dict(nomask, "x/config.json")
-    with pytest.raises(ValueError, match="layer_types"):
-        DFlashConfig.from_dict(dict(RAW, layer_types=["sliding_attention"] * 2), "x")
+    with pytest.raises(ValueError, match=r"x/config.json: field layer_types=.*'chunked'"):
+        DFlashConfig.from_dict(
+            dict(RAW, layer_types=["chunked", "full_attention"]), "x/config.json"
+        )
+    with pytest.raises(ValueError, match=r"x/config.json: field hidden_act='gelu'"):
+        DFlashConfig.from_dict(dict(RAW, hidden_act="gelu"), "x/config.json")
     drafter = DFlashDrafter(_random_model(), *_shared())
     with pytest.raises(ValueError, match="expects 64"):
         drafter.propose(torch.zeros(3, HIDDEN), 1)
+    with pytest.raises(ValueError, match="root_token=61 outside"):
+        drafter.propose(torch.zeros(3, 2 * HIDDEN), VOCAB)
+
+
+def test_nan_logits_stop_decoding_with_an_error():
+    model, (embed, head) = _random_model(), _shared()
+    with torch.no_grad():
+        model.fc.weight[0, 0] = float("nan")
+    drafter = DFlashDrafter(model, embed, head)
+    with pytest.raises(NonFiniteLogitsError, match="NaN/inf logits .* 3 context tokens"):
+        drafter.propose(torch.ones(3, 2 * HIDDEN), 1)

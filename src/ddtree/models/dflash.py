@@ -13,8 +13,16 @@ Architecture (one forward proposes a whole block):
 - Output: the final norm, then the target's LM head (times ``output_multiplier``, optional
   tanh soft-capping) at the B-1 mask positions.
 
-Positions: context token t sits at its absolute position; the block's root sits right after
-the context. Because a layer's context keys/values depend only on the context features, the
+Positions: context token t sits at its absolute position ``t`` (``0..C-1``); the block's
+root sits right after the context (``C..C+B-1``), as in the reference. Worked example: 5
+committed tokens in the context, B = 4: context at 0..4, root at 5, masks at 6, 7, 8, whose
+logits predict the tokens at positions 6, 7, 8.
+
+Attention is non-causal and unwindowed unless config.json has ``sliding_attention`` layers
+(``use_sliding_window`` + ``sliding_window``) or ``is_causal``: then, as the reference does,
+a query at position q sees a key at position k when ``q - k < W`` (and ``k - q < W`` when
+non-causal) and, when causal, ``k <= q``; ``is_causal`` absent means causal exactly in the
+sliding layers. Because a layer's context keys/values depend only on the context features, the
 decoding drafter caches them and appends the newly committed tokens each step; the block's
 own keys/values are recomputed every step and never kept.
 """
@@ -29,8 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.base import ModelInfo
+from ddtree.models.mla_moe import NonFiniteLogitsError
 
 ARCHITECTURE = "DFlashDraftModel"
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+# Qwen3Config's defaults for the sliding-window fields (transformers 5.x).
+QWEN3_SLIDING_WINDOW, QWEN3_MAX_WINDOW_LAYERS = 4096, 28
 
 
 @dataclass
@@ -53,8 +65,22 @@ class DFlashConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     max_position_embeddings: int = 40960
+    layer_types: tuple[str, ...] = ()  # per layer; () means all full_attention
+    sliding_window: int | None = None  # W of the sliding_attention layers
+    is_causal: bool | None = None  # None: causal exactly in the sliding_attention layers
 
     def __post_init__(self) -> None:
+        self.layer_types = tuple(self.layer_types) or (FULL_ATTENTION,) * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, expected "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
+        bad = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if bad:
+            raise ValueError(f"layer_types {bad}: expected {FULL_ATTENTION} or {SLIDING_ATTENTION}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -68,6 +94,12 @@ class DFlashConfig:
         """F: width of the concatenated target hidden states."""
         return len(self.target_layer_ids) * self.hidden_size
 
+    def layer_attention(self, layer: int) -> tuple[int | None, bool]:
+        """(sliding window or None, causal) of drafter layer ``layer``."""
+        sliding = self.layer_types[layer] == SLIDING_ATTENTION
+        causal = sliding if self.is_causal is None else bool(self.is_causal)
+        return (self.sliding_window if sliding else None), causal
+
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> DFlashConfig:
         from ddtree.models import drafter_target_layer_ids
@@ -78,8 +110,26 @@ class DFlashConfig:
             return cfg[name]
 
         dflash = cfg.get("dflash_config") or {}
-        if any(t != "full_attention" for t in cfg.get("layer_types") or []):
-            raise ValueError(f"{source}: field layer_types: only full_attention is supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: field hidden_act={cfg['hidden_act']!r}, expected 'silu'")
+        n_layers = int(need("num_hidden_layers"))
+        # as Qwen3Config: sliding_window only counts with use_sliding_window; layer_types
+        # default to sliding from layer max_window_layers on
+        window = cfg.get("sliding_window", QWEN3_SLIDING_WINDOW)
+        window = int(window) if cfg.get("use_sliding_window") and window is not None else None
+        layer_types = cfg.get("layer_types")
+        if layer_types is None:
+            first = cfg.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
+            layer_types = [
+                SLIDING_ATTENTION if window is not None and i >= first else FULL_ATTENTION
+                for i in range(n_layers)
+            ]
+        bad = sorted(set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if bad or len(layer_types) != n_layers:
+            raise ValueError(
+                f"{source}: field layer_types={layer_types}: expected {n_layers} entries of "
+                f"{FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}"
+            )
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -97,7 +147,7 @@ class DFlashConfig:
         return cls(
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
+            num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -117,11 +167,25 @@ class DFlashConfig:
             ),
             final_logit_softcapping=None if softcap is None else float(softcap),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+            layer_types=tuple(layer_types),
+            sliding_window=window,
+            is_causal=None if cfg.get("is_causal") is None else bool(cfg["is_causal"]),
         )
 
     def to_dict(self) -> dict:
         """A z-lab-format ``config.json`` (Qwen3 fields + DFlash fields)."""
-        return {
+        dflash: dict = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        for name, default in (
+            ("input_embedding_scale", 1.0),
+            ("output_multiplier", 1.0),
+            ("final_logit_softcapping", None),
+        ):
+            if getattr(self, name) != default:
+                dflash[name] = getattr(self, name)
+        out = {
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
@@ -139,11 +203,14 @@ class DFlashConfig:
             "tie_word_embeddings": False,
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-            },
+            "dflash_config": dflash,
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": self.sliding_window is not None,
+            "sliding_window": self.sliding_window,
         }
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -194,8 +261,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(r, t, -1, self.c.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v) -> torch.Tensor:
-        """x [R, B, H] block; ctx_k/ctx_v [R, kv_heads, C, D]. Block attends to all."""
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None) -> torch.Tensor:
+        """x [R, B, H] block; ctx_k/ctx_v [R, kv_heads, C, D]; mask [R, 1, B, C+B] bool (True:
+        visible) or None: the block attends to all context and the whole block."""
         r, b, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(r, b, -1, self.c.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)  # [R, heads, B, D]
@@ -204,7 +272,7 @@ class Attention(nn.Module):
         groups = self.c.num_attention_heads // self.c.num_key_value_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.c.head_dim**-0.5)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.c.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(r, b, -1))
 
 
@@ -227,9 +295,31 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def attention_mask(
+    block_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None, causal: bool
+) -> torch.Tensor | None:
+    """Which keys each block query sees: bool [R, 1, B, K], or None when it sees them all.
+
+    block_positions [R, B], key_positions [R, K] (context then block). Causal: ``k <= q``;
+    window W: ``q - k < W``, and ``k - q < W`` too when not causal (the reference's rule).
+    Example, W = 3, non-causal, context 0..4, block 5..6: the query at 5 sees keys 3..6.
+    """
+    if window is None and not causal:
+        return None
+    q, k = block_positions[:, :, None], key_positions[:, None, :]  # [R, B, 1], [R, 1, K]
+    visible = torch.ones(q.shape[0], q.shape[1], k.shape[2], dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= k <= q
+    if window is not None:
+        visible &= q - k < window
+        if not causal:
+            visible &= k - q < window
+    return visible[:, None]
 
 
 class DFlashModel(nn.Module):
@@ -255,13 +345,29 @@ class DFlashModel(nn.Module):
         )
         return [layer.self_attn.keys_values(features, cos, sin) for layer in self.layers]
 
-    def block_hidden(self, block_emb, block_positions, ctx_kv) -> torch.Tensor:
-        """block_emb [R, B, H] at block_positions [R, B] -> final-normed hidden [R, B, H]."""
+    def block_hidden(
+        self, block_emb, block_positions, ctx_kv, context_positions=None
+    ) -> torch.Tensor:
+        """block_emb [R, B, H] at block_positions [R, B], attending to the per-layer context
+        keys/values ``ctx_kv`` [R, kv_heads, C, D] -> final-normed hidden [R, B, H].
+        ``context_positions`` [R, C] (default 0..C-1) only matter for windowed or causal
+        layers (the keys are already rotated)."""
         c = self.config
         cos, sin = rope_cos_sin(block_positions, c.head_dim, c.rope_theta, block_emb.dtype)
+        masks: dict[tuple, torch.Tensor | None] = {}
+        if any(kind != (None, False) for kind in map(c.layer_attention, range(len(ctx_kv)))):
+            r, ctx_len = block_positions.shape[0], ctx_kv[0][0].shape[2]
+            if context_positions is None:
+                context_positions = torch.arange(ctx_len, device=block_positions.device)
+            keys = torch.cat([context_positions.expand(r, ctx_len), block_positions], 1)
         x = block_emb
-        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, cos, sin, k, v)
+        for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv, strict=True)):
+            kind = c.layer_attention(i)
+            if kind not in masks:
+                masks[kind] = (
+                    None if kind == (None, False) else attention_mask(block_positions, keys, *kind)
+                )
+            x = layer(x, cos, sin, k, v, masks[kind])
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -292,17 +398,28 @@ class DFlashModel(nn.Module):
         feats = self.context(context_hidden)
         emb = embed_tokens(block_ids) * self.config.input_embedding_scale
         hidden = self.block_hidden(
-            emb.to(feats.dtype), block_positions, self.context_kv(feats, context_positions)
+            emb.to(feats.dtype),
+            block_positions,
+            self.context_kv(feats, context_positions),
+            context_positions,
         )
         return self.logits(hidden[:, 1:], lm_head)
 
 
 class DFlashDrafter:
     """The ``Drafter`` protocol over :class:`DFlashModel` for one request, with an incremental
-    context cache (per layer keys/values of every committed token seen so far)."""
+    context cache: per layer the keys/values of every committed token seen so far (``seen``
+    of them, positions ``0..seen-1``) in buffers grown geometrically from ``capacity``.
+    ``check_finite``: NaN/inf drafter logits raise :class:`NonFiniteLogitsError`."""
 
     def __init__(
-        self, model: DFlashModel, embed_tokens: nn.Module, lm_head: nn.Module, name="dflash"
+        self,
+        model: DFlashModel,
+        embed_tokens: nn.Module,
+        lm_head: nn.Module,
+        name="dflash",
+        capacity: int = 256,
+        check_finite: bool = True,
     ):
         self.model = model.eval()
         self.config = model.config
@@ -310,6 +427,7 @@ class DFlashDrafter:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.block_size = self.config.block_size
+        self.capacity, self.check_finite = max(int(capacity), 1), check_finite
         # the Drafter protocol indexes hidden states as transformers does (0 = embeddings)
         self.target_layer_ids = [i + 1 for i in self.config.target_layer_ids]
         c = self.config
@@ -327,8 +445,29 @@ class DFlashDrafter:
         self.reset()
 
     def reset(self) -> None:
-        self.seen = 0  # committed tokens whose context features are cached
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.seen = 0  # committed tokens whose context keys/values are cached
+        self._k: list[torch.Tensor] = []  # per layer [1, kv_heads, capacity, D]
+        self._v: list[torch.Tensor] = []
+
+    def _append(self, new: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write the new tokens' per-layer k/v [1, kv_heads, T_new, D] after ``seen``."""
+        t_new = new[0][0].shape[2]
+        end = self.seen + t_new
+        have = self._k[0].shape[2] if self._k else 0
+        if end > have:
+            size = max(end, 2 * have, self.capacity)
+            for store, i in ((self._k, 0), (self._v, 1)):
+                for layer, kv in enumerate(new):
+                    grown = kv[i].new_empty(*kv[i].shape[:2], size, kv[i].shape[3])
+                    if have:
+                        grown[:, :, : self.seen] = store[layer][:, :, : self.seen]
+                        store[layer] = grown
+                    else:
+                        store.append(grown)
+        for layer, (k, v) in enumerate(new):
+            self._k[layer][:, :, self.seen : end] = k
+            self._v[layer][:, :, self.seen : end] = v
+        self.seen = end
 
     @torch.inference_mode()
     def propose(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
@@ -342,25 +481,29 @@ class DFlashDrafter:
         if t_new:
             positions = torch.arange(self.seen, self.seen + t_new, device=self.device)[None]
             feats = self.model.context(context_hidden.to(self.device, self.dtype)[None])
-            new = self.model.context_kv(feats, positions)
-            if self._kv is None:
-                self._kv = new
-            else:
-                self._kv = [
-                    (torch.cat([k, nk], 2), torch.cat([v, nv], 2))
-                    for (k, v), (nk, nv) in zip(self._kv, new, strict=True)
-                ]
-            self.seen += t_new
-        if self._kv is None:
+            self._append(self.model.context_kv(feats, positions))
+        if not self.seen:
             raise ValueError(
                 "propose() needs context: the first call must carry the prompt's hidden states"
             )
         ids = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.int64, device=self.device)
-        ids[0, 0] = root_token
+        if not 0 <= int(root_token) < c.vocab_size:
+            raise ValueError(
+                f"root_token={root_token} outside the vocabulary 0..{c.vocab_size - 1}"
+            )
+        ids[0, 0] = int(root_token)
         positions = torch.arange(self.seen, self.seen + c.block_size, device=self.device)[None]
         emb = self.embed_tokens(ids).to(self.dtype) * c.input_embedding_scale
-        hidden = self.model.block_hidden(emb, positions, self._kv)
-        return self.model.logits(hidden[0, 1:], self.lm_head)  # [B-1, V]
+        n = self.seen
+        kv = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._k, self._v, strict=True)]
+        hidden = self.model.block_hidden(emb, positions, kv)
+        logits = self.model.logits(hidden[0, 1:], self.lm_head)  # [B-1, V]
+        if self.check_finite and not torch.isfinite(logits.sum(dtype=torch.float32)):
+            raise NonFiniteLogitsError(
+                f"drafter {self.info.name}: NaN/inf logits for the block after {n} context "
+                f"tokens (root {root_token}); stopping instead of drafting garbage"
+            )
+        return logits
 
     @classmethod
     def from_pretrained(
