@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ddtree.train.corpus import list_corpus, read_texts, sample_windows
+from ddtree.train.corpus import heldout_prompts, list_corpus, read_texts, sample_windows
 from ddtree.train.target import TargetTrainConfig, train_target
 from ddtree.train.tokenizer import EOS_TOKEN, MASK_TOKEN, special_id, train_tokenizer
 
@@ -36,6 +36,16 @@ def test_corpus_split_is_by_file_and_sorted():
     names = [f.relative_to(split.root).as_posix() for f in split.train]
     assert names == sorted(names)
     assert all("test" not in f.relative_to(split.root).parts[:-1] for f in split.train)
+
+
+def test_heldout_prompts_avoid_eos():
+    stream = torch.arange(2, 202).repeat(3)
+    stream[::50] = 0  # EOS every 50 tokens
+    prompts = heldout_prompts(stream, 5, 20, seed=3, eos_id=0)
+    assert prompts.shape == (5, 20) and not bool((prompts == 0).any())
+    assert torch.equal(prompts, heldout_prompts(stream, 5, 20, seed=3, eos_id=0))
+    with pytest.raises(ValueError, match="too short"):
+        heldout_prompts(stream, 5, 60, seed=3, eos_id=0)
 
 
 def test_tokenizer_round_trips_and_has_specials():

@@ -87,17 +87,22 @@ def sample_windows(stream: torch.Tensor, batch: int, length: int, seed: int) -> 
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
-def heldout_prompts(stream: torch.Tensor, n_prompts: int, length: int, seed: int) -> torch.Tensor:
-    """Prompts from the held-out stream that contain no EOS: [n_prompts, length]."""
+def heldout_prompts(
+    stream: torch.Tensor, n_prompts: int, length: int, seed: int, eos_id: int
+) -> torch.Tensor:
+    """Prompts of ``length`` tokens from ``stream`` [N] that contain no EOS (each lies inside
+    one file): [n_prompts, length]. Deterministic in ``seed``."""
+    n = int(stream.shape[0])
+    if n <= length:
+        raise ValueError(f"held-out stream of {n} tokens is shorter than a prompt of {length}")
     gen = torch.Generator().manual_seed(seed)
     out: list[torch.Tensor] = []
-    eos_free = stream.clone()
     for _ in range(100 * n_prompts):
         if len(out) == n_prompts:
             break
-        s = int(torch.randint(0, int(eos_free.shape[0]) - length, (1,), generator=gen))
+        s = int(torch.randint(0, n - length, (1,), generator=gen))
         window = stream[s : s + length]
-        if not bool((window == stream[-1]).any()):
+        if not bool((window == eos_id).any()):
             out.append(window)
     if len(out) < n_prompts:
         raise ValueError(f"held-out stream too short for {n_prompts} prompts of {length} tokens")

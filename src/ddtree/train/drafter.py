@@ -37,7 +37,7 @@ EXPORT_DTYPE = torch.bfloat16
 
 @dataclass(frozen=True)
 class DrafterShape:
-    num_hidden_layers: int = 3
+    num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 64
@@ -49,7 +49,7 @@ class DrafterShape:
 
 @dataclass(frozen=True)
 class DrafterTrainConfig:
-    steps: int = 1200
+    steps: int = 500
     seqs_per_step: int = 32
     anchors_per_step: int = 8
     lr: float = 2e-3
@@ -289,6 +289,8 @@ def evaluate_drafter(target_dir, drafter_dir, cfg: DrafterTrainConfig, split, to
     target = MlaMoeTarget.from_pretrained(target_dir)
     drafter = DFlashDrafter.from_pretrained(drafter_dir, target)
     stream = encode_stream(tok, read_texts(split.heldout), eos_id)
-    prompts = heldout_prompts(stream, cfg.eval_prompts, cfg.prompt_len, seed=cfg.seed + 99)
+    prompts = heldout_prompts(
+        stream, cfg.eval_prompts, cfg.prompt_len, seed=cfg.seed + 99, eos_id=eos_id
+    )
     result = greedy_acceptance(target, drafter, prompts, cfg.eval_budget, cfg.eval_new_tokens)
     return result.mean_tau
