@@ -256,6 +256,32 @@ def test_bad_drafters_get_errors_naming_the_file_and_field(tmp_path):
         drafter.propose(torch.zeros(3, 2 * HIDDEN), VOCAB)
 
 
+def test_missing_and_unexpected_tensors_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target, _ = _save(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors.pop("layers.1.self_attn.k_norm.weight")
+    tensors["layers.2.mlp.up_proj.weight"] = torch.zeros(2, 2)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        load_drafter(tmp_path, target)
+    message = str(err.value)
+    assert str(tmp_path) in message
+    assert "missing tensors: layers.1.self_attn.k_norm.weight" in message
+    assert "unexpected tensors: layers.2.mlp.up_proj.weight" in message
+
+
+def test_absent_optional_fields_default_as_the_reference_builds_them():
+    transformers = pytest.importorskip("transformers")
+    raw = {k: v for k, v in RAW.items() if k not in ("head_dim", "rope_theta")}
+    ours = DFlashConfig.from_dict(raw)
+    ref = transformers.Qwen3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    assert ours.head_dim == ref.head_dim
+    assert ours.rope_theta == ref.rope_parameters["rope_theta"]
+    assert ours.layer_types == tuple(ref.layer_types) and ours.sliding_window is None
+
+
 def test_nan_logits_stop_decoding_with_an_error():
     model, (embed, head) = _random_model(), _shared()
     with torch.no_grad():

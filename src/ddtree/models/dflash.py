@@ -43,6 +43,8 @@ ARCHITECTURE = "DFlashDraftModel"
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 # Qwen3Config's defaults for the sliding-window fields (transformers 5.x).
 QWEN3_SLIDING_WINDOW, QWEN3_MAX_WINDOW_LAYERS = 4096, 28
+# ... and for absent head_dim / rope_theta: what the reference (a Qwen3Config) builds with.
+QWEN3_HEAD_DIM, QWEN3_ROPE_THETA = 128, 10000.0
 
 
 @dataclass
@@ -134,7 +136,7 @@ class DFlashConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ValueError(f"{source}: rope type {rope_type!r}: only default RoPE is supported")
-        rope_theta = cfg.get("rope_theta") or rope.get("rope_theta") or 1_000_000.0
+        rope_theta = cfg.get("rope_theta") or rope.get("rope_theta") or QWEN3_ROPE_THETA
         mask_token_id = dflash.get("mask_token_id", cfg.get("mask_token_id"))
         if mask_token_id is None:
             raise ValueError(f"{source}: missing field dflash_config.mask_token_id")
@@ -150,7 +152,7 @@ class DFlashConfig:
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=int(cfg.get("head_dim") or QWEN3_HEAD_DIM),
             vocab_size=int(need("vocab_size")),
             block_size=int(dflash.get("block_size", cfg.get("block_size", 16))),
             mask_token_id=int(mask_token_id),
