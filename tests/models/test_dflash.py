@@ -200,7 +200,7 @@ def test_incremental_propose_equals_a_full_recompute():
         context = torch.cat(chunks[: step + 1])[None]
         block = torch.tensor([[roots[step]] + [60] * 3])
         with torch.no_grad():
-            want = model.block_logits(context, block, embed, head)[0]
+            want = drafter.block_logits(context, block)[0]
         assert (got - want).abs().max() <= TOL, step
     drafter.reset()
     assert drafter.seen == 0
@@ -224,6 +224,12 @@ def test_save_and_load_round_trip(tmp_path):
     assert isinstance(loaded, DFlashDrafter) and loaded.block_size == 4
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["dflash_config"] == RAW["dflash_config"] and saved["block_size"] == 4
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert names == set(drafter.model.state_dict())  # the drafter's own tensors only
+    assert "fc.weight" in names and not any("embed" in n or "lm_head" in n for n in names)
     torch.manual_seed(4)
     ctx = torch.randn(6, 2 * HIDDEN)
     assert torch.equal(loaded.propose(ctx, 5), drafter.propose(ctx, 5))

@@ -388,8 +388,20 @@ class DFlashModel(nn.Module):
         context_positions: torch.Tensor | None = None,  # [R, C] int64; default 0..C-1
         block_positions: torch.Tensor | None = None,  # [R, B] int64; default C..C+B-1
     ) -> torch.Tensor:
-        """Batched forward for training and tests: logits [R, B-1, V] for the block's positions
-        1..B-1 (the tokens after the root). Differentiable."""
+        """Batched forward for training and tests: R independent blocks in one forward.
+
+        - ``context_hidden`` [R, C, F]: target features of each row's context (the
+          ``target_layer_ids`` hidden states concatenated, ``F = len(ids) * H``): the tokens
+          *before* the root, whose hidden states the target has already produced.
+        - ``block_ids`` [R, B] int64: ``[root, MASK x (B-1)]`` (or any block tokens).
+        - ``embed_tokens``/``lm_head``: the target's (shared, not part of this model).
+        - Positions (the reference's convention): context token j at ``j`` (``0..C-1``),
+          block slot i at ``C + i``. ``context_positions`` [R, C] / ``block_positions`` [R, B]
+          override them (e.g. a row whose context is a prefix of a longer sequence).
+
+        Returns logits [R, B-1, V] for block slots 1..B-1, which predict the tokens at
+        positions ``C+1..C+B-1``. Differentiable (gradients flow to this model only if the
+        caller freezes the shared modules)."""
         r, ctx_len, _ = context_hidden.shape
         b = block_ids.shape[1]
         device = context_hidden.device
@@ -540,7 +552,20 @@ class DFlashDrafter:
         model.load_state_dict(tensors)
         return cls(model.to(dtype), target.embed_tokens, target.lm_head, name=path.name)
 
+    def block_logits(self, context_hidden, block_ids, **positions) -> torch.Tensor:
+        """:meth:`DFlashModel.block_logits` with this drafter's shared embedding and LM head:
+        context_hidden [R, C, F], block_ids [R, B] -> [R, B-1, V]."""
+        return self.model.block_logits(
+            context_hidden.to(self.device, self.dtype),
+            block_ids.to(self.device),
+            self.embed_tokens,
+            self.lm_head,
+            **positions,
+        )
+
     def save_pretrained(self, path: str | Path) -> None:
+        """Write a z-lab format directory: config.json + model.safetensors (the drafter's own
+        tensors; no embedding or LM head)."""
         from ddtree.models.checkpoint import save_safetensors
 
         save_safetensors(path, self.model.state_dict(), self.config.to_dict())
