@@ -14,6 +14,8 @@ import importlib.util
 import os
 import sys
 
+from ddtree.errors import NonFiniteLogitsError
+
 # (command path, module, one-line help). A path of two words is a sub-subcommand.
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "demo", "decode held-out prompts with AR, chain and DDTree on the bundled pair"),
@@ -72,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(run(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
-        # bad input (files, fields, arguments): the message names it; DDTREE_DEBUG=1 re-raises
+    except (ValueError, FileNotFoundError, NonFiniteLogitsError) as e:
+        # bad input (files, fields, arguments) or a model emitting NaN/inf: the message names
+        # it; DDTREE_DEBUG=1 re-raises
         if os.environ.get("DDTREE_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)

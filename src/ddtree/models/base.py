@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ddtree.errors import NonFiniteLogitsError  # noqa: F401  (re-exported for models)
 from ddtree.tree.layout import VerifyLayout
 from ddtree.tree.types import DraftTree
 

@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.models.base import ModelInfo
-from ddtree.models.mla_moe import NonFiniteLogitsError
+from ddtree.models.base import ModelInfo, NonFiniteLogitsError
 
 ARCHITECTURE = "DFlashDraftModel"
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"

@@ -31,15 +31,11 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ddtree.models.base import ModelInfo, TargetOutput
+from ddtree.models.base import ModelInfo, NonFiniteLogitsError, TargetOutput
 from ddtree.tree.layout import VerifyLayout, compaction_indices, verify_layout
 from ddtree.tree.types import DraftTree
 
 CACHE_KEYWORDS = ("cache", "past_key_values")  # newest first
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """The target produced NaN or inf logits; decoding stops instead of emitting garbage."""
 
 
 class CacheKeywordError(RuntimeError):

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.models.base import ModelInfo, TargetOutput
+from ddtree.models.base import ModelInfo, NonFiniteLogitsError, TargetOutput
 from ddtree.tree.layout import VerifyLayout, compaction_indices, verify_layout
 from ddtree.tree.types import DraftTree
 
@@ -44,10 +44,6 @@ ROUTER_NORM_EPS = 1e-20
 
 class ConfigError(ValueError):
     """A config.json field the MLA+MoE model does not support."""
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """The target produced NaN or inf logits; decoding stops instead of emitting garbage."""
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
