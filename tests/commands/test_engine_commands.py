@@ -68,3 +68,19 @@ def test_commands_report_bad_input_without_a_traceback(target_dir, tmp_path, cap
         main(argv + ["--prompts", str(bad)])
     with pytest.raises(SystemExit, match="needs --drafter"):
         main(["generate", "--target", str(target_dir), "--prompt", "w1"])
+
+
+def test_demo_on_the_bundled_pair_is_lossless_and_writes_records(tmp_path, capsys):
+    from ddtree.commands._decode import DEMO_DIR
+
+    if not (DEMO_DIR / "drafter" / "model.safetensors").is_file():
+        pytest.skip("demo pair not bundled")
+    records = tmp_path / "demo.jsonl"
+    argv = ["demo", "--n-prompts", "1", "--max-new-tokens", "12", "--threads", "1"]
+    assert main(argv + ["--records", str(records), "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "same as AR" in out and "NO" not in out
+    runs = read_records(records)
+    assert [r.config["policy"] for r in runs] == ["ar", "chain", "ddtree"]
+    assert all(r.config["identical_to_ar"] in (None, True) for r in runs)
+    assert runs[2].summary["mean_tau"] > 1.0  # the trained drafter gets tokens accepted

@@ -92,13 +92,21 @@ class LoadedModels:
     drafter_path: Path | None
 
 
+def set_threads(args: argparse.Namespace) -> int:
+    """Apply ``--threads`` (0 keeps torch's default); returns the thread count in use."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return torch.get_num_threads()
+
+
 def load_models(args: argparse.Namespace, need_drafter: bool, default_demo: bool) -> LoadedModels:
     import torch
 
     from ddtree.models import load_drafter, load_target
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     target_path = Path(args.target) if args.target else None
     drafter_path = Path(args.drafter) if args.drafter else None
     if default_demo:

@@ -13,6 +13,7 @@ from ddtree.commands._decode import (
     demo_prompts,
     int_list,
     load_models,
+    set_threads,
     summary_tables,
 )
 
@@ -66,8 +67,10 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
         points = sweep(models.target, models.drafter, ids, configs, models.codec, advance)
     for i in range(min(show_text, len(prompts))):
         console.rule(f"prompt {i + 1}")
-        console.print(prompts[i], style="dim", end="", markup=False, highlight=False)
-        console.print(points[-1].results[i].text, markup=False, highlight=False)
+        console.print(
+            prompts[i], style="dim", end="", markup=False, highlight=False, soft_wrap=True
+        )
+        console.print(points[-1].results[i].text, markup=False, highlight=False, soft_wrap=True)
     for table in summary_tables(points, title):
         console.print(table)
     path = args.records or Path("runs") / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
@@ -95,7 +98,5 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    title = f"ddtree bench engine ({args.device}, {args.dtype}, {torch.get_num_threads()} threads)"
+    title = f"ddtree bench engine ({args.device}, {args.dtype}, {set_threads(args)} threads)"
     return run_sweep(args, configs_from_args(args), title)

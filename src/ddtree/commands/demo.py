@@ -18,14 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from ddtree.commands._decode import decode_config
+    from ddtree.commands._decode import decode_config, set_threads
     from ddtree.commands.bench_engine import run_sweep
 
     configs = [decode_config(args, policy) for policy in ("ar", "chain", "ddtree")]
     title = (
         f"ddtree demo: bundled MLA+MoE target + DFlash drafter, {args.n_prompts} held-out prompts, "
-        f"{args.max_new_tokens} new tokens ({args.device}, {torch.get_num_threads()} threads)"
+        f"{args.max_new_tokens} new tokens ({args.device}, {set_threads(args)} threads)"
     )
     return run_sweep(args, configs, title, show_text=args.show)
