@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddtree.perf.cost import ParamSpec, moe_layer_s, step_cost
-from ddtree.perf.scenario import Anchor, MoeAnchor, StepAnchor
+from ddtree.perf.scenario import Anchor, MoeAnchor, StageAnchor, StepAnchor
 
 ANCHOR_SIGMA = 0.01  # relative measurement noise assumed for an anchor
 
@@ -66,11 +66,28 @@ def predict(anchor: Anchor, params: dict) -> tuple[str, float | np.ndarray]:
         return "moe_s_per_layer", moe_layer_s(
             anchor.model, anchor.hardware, anchor.m, params, anchor.tp, anchor.curve
         )
+    if isinstance(anchor, StageAnchor):
+        cost = step_cost(anchor.model, anchor.point, params, anchor.tau)
+        secs = [c.seconds for c in cost.components if c.name in anchor.components]
+        return f"{anchor.stage}_s", sum(secs) if secs else 0.0
     raise TypeError(type(anchor))
 
 
 def measured(anchor: Anchor) -> float:
-    return anchor.step_s if isinstance(anchor, StepAnchor) else anchor.s_per_layer
+    if isinstance(anchor, StepAnchor):
+        return anchor.step_s
+    if isinstance(anchor, StageAnchor):
+        return anchor.seconds
+    return anchor.s_per_layer
+
+
+def _run_of(anchor: Anchor) -> str | None:
+    """The engine run an anchor came from (its step anchor's name), if any."""
+    if isinstance(anchor, StepAnchor):
+        return anchor.name
+    if isinstance(anchor, StageAnchor):
+        return anchor.run
+    return None
 
 
 def _bounds(spec: ParamSpec) -> tuple[float, float]:
@@ -179,6 +196,7 @@ def backtest(
     budgets (plus every non-step anchor) and predict the rest.
     """
     steps = [a for a in anchors if isinstance(a, StepAnchor)]
+    budget_of = {a.name: a.point.budget for a in steps}
     rows = []
 
     def row(a: StepAnchor, cal: Calibration) -> BacktestRow:
@@ -186,14 +204,14 @@ def backtest(
         return BacktestRow(a.name, a.tokens_per_s, a.point.concurrency * a.tau / step)
 
     if train_budgets:
-        train = [a for a in anchors if not isinstance(a, StepAnchor) or a.point.budget in
-                 train_budgets]  # fmt: skip
+        train = [a for a in anchors if _run_of(a) is None or
+                 budget_of.get(_run_of(a), -1) in train_budgets]  # fmt: skip
         cal = calibrate(train, specs, fixed)
         rows = [row(a, cal) for a in steps if a.point.budget not in train_budgets]
         mode = f"calibrated on budgets {', '.join(map(str, train_budgets))}, predicting the rest"
     else:
         for a in steps:
-            cal = calibrate([b for b in anchors if b is not a], specs, fixed)
+            cal = calibrate([b for b in anchors if _run_of(b) != a.name], specs, fixed)
             rows.append(row(a, cal))
         mode = "leave-one-out"
     return Backtest(rows, mode)

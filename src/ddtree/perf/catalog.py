@@ -54,6 +54,10 @@ class Hardware:
     link_bytes_per_s: float  # per GPU, per direction
     allreduce_latency_s: float
     provenance: dict[str, Provenance] = field(default_factory=dict)
+    # True (GPU): a kernel overlaps its memory traffic with its math, time = max(bytes / bw,
+    # FLOPs / rate). False (a CPU thread running small eager GEMMs): it streams the operands,
+    # then computes, time = bytes / bw + FLOPs / rate (assumed; what this machine's records fit)
+    overlaps_memory_and_compute: bool = True
 
     def peak_flops(self, precision: str) -> float:
         """Dense FLOP/s for a compute precision; falls back to the next wider one."""
@@ -154,11 +158,16 @@ def load_catalog() -> dict[str, Hardware]:
     return {key: hardware_from_dict(key, entry, where) for key, entry in data.items()}
 
 
+CPU_THREAD_PEAK_FLOPS = 2 * 8 * 2 * 3.0e9  # FLOP/s per thread, float32 AVX2 FMA (assumed)
+
+
 def this_machine(records: list) -> Hardware | None:
     """A Hardware for this machine from ``bench_bandwidth`` records (highest bytes/s wins).
 
-    Only the bandwidth is measured; FLOP/s and interconnect are assumptions (a CPU core at
-    ~25 GFLOP/s float32), labelled as such, so calibration should fit ``compute_efficiency``.
+    Only the bandwidth is measured; FLOP/s and interconnect are assumptions, labelled as
+    such, so calibration fits ``compute_efficiency@this-machine``: a CPU thread's float32 FMA
+    peak is taken as CPU_THREAD_PEAK_FLOPS (two 256-bit FMA units: 2 x 8 lanes x 2 FLOPs per
+    cycle at ~3 GHz), times the threads the benchmark ran with (its cores when not recorded).
     """
     bw = [r for r in records if r.kind == "bench_bandwidth"]
     if not bw:
@@ -166,7 +175,8 @@ def this_machine(records: list) -> Hardware | None:
     best = max(bw, key=lambda r: float(r.summary["bytes_per_s"]))
     device = str(best.config.get("device", "cpu"))
     cores = best.hardware.cpu_cores
-    flops = 25e9 * cores
+    threads = int(best.config.get("threads") or cores or 1)
+    flops = CPU_THREAD_PEAK_FLOPS * threads
     label = best.hardware.gpu_name if device.startswith("cuda") else best.hardware.cpu_model
     return Hardware(
         key="this-machine",
@@ -177,6 +187,7 @@ def this_machine(records: list) -> Hardware | None:
         sparse_flops={},
         interconnect="none (single device)",
         link_bytes_per_s=0.0,
+        overlaps_memory_and_compute=device.startswith("cuda"),
         allreduce_latency_s=0.0,
         provenance={
             "hbm_bandwidth": Provenance(
@@ -184,7 +195,9 @@ def this_machine(records: list) -> Hardware | None:
                 f"ddtree bench bandwidth ({best.config.get('method', '?')}, {best.created_utc})",
             ),
             "bf16_dense": Provenance(
-                "assumed", f"{cores} cores x 25 GFLOP/s; fit compute_efficiency"
+                "assumed",
+                f"{threads} thread(s) x {CPU_THREAD_PEAK_FLOPS / 1e9:.0f} GFLOP/s float32 FMA "
+                "peak (2 x 8 lanes x 2 FLOPs/cycle x 3 GHz); fit compute_efficiency",
             ),
             "allreduce_latency": Provenance("assumed", "single device: no all-reduce"),
         },

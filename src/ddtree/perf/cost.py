@@ -92,6 +92,7 @@ class EngineProfile:
     launch_s: float  # per kernel launch (eager dispatch; ~graph replay when native)
     tree_fixed_s: float  # per request per step: top-k copy to host + heap setup (or GPU kernel)
     tree_per_node_s: float  # per draft node
+    accept_per_node_s: float = 0.0  # host walk over the verified tree, per draft node
     about: str = ""
 
     def specs(self) -> dict[str, ParamSpec]:
@@ -115,6 +116,11 @@ class EngineProfile:
                 self.tree_per_node_s / 2, self.tree_per_node_s * 2, "s", False,
                 f"{n} engine: tree build per draft node",
             ),
+            engine_param(n, "accept_per_node"): ParamSpec(
+                engine_param(n, "accept_per_node"), self.accept_per_node_s,
+                self.accept_per_node_s / 3, self.accept_per_node_s * 3, "s", False,
+                f"{n} engine: acceptance walk over the verified tree, per draft node (host)",
+            ),
         }  # fmt: skip
 
 
@@ -125,6 +131,7 @@ ENGINES: dict[str, EngineProfile] = {
         launch_s=5e-6,
         tree_fixed_s=100e-6,
         tree_per_node_s=3e-6,
+        accept_per_node_s=0.2e-6,
         about="eager PyTorch/SGLang-style engine: Python dispatch per kernel, tree built on "
         "the CPU (heap ~90 µs at N=32, ~3 µs per node at N=1024: DESIGN.md facts)",
     ),
@@ -134,6 +141,7 @@ ENGINES: dict[str, EngineProfile] = {
         launch_s=1.5e-6,
         tree_fixed_s=15e-6,
         tree_per_node_s=0.05e-6,
+        accept_per_node_s=0.01e-6,
         about="native C++/CUDA engine: graph-replayed kernels, tree built on the GPU "
         "(assumed; no anchor)",
     ),
@@ -206,6 +214,28 @@ class StepCost:
 
 
 EFFICIENCIES = ("moe_efficiency", "weights_efficiency", "compute_efficiency")
+# Host-side engine parameters a measured device gets its own copy of, fitted to its stage
+# timings (on a CPU a "kernel launch" is one eager op's dispatch, tens of µs, not a GPU launch).
+HOST_PARAMS = ("launch", "step_overhead", "tree_fixed", "tree_per_node", "accept_per_node")
+# The target-forward components (what the engine's ``verify`` stage and a prefill time).
+TARGET_FORWARD = (
+    "attention (weights + KV)",
+    "routed MoE",
+    "shared experts",
+    "dense MLP layers",
+    "LM head over M",
+    "TP all-reduce",
+)
+# engine stage (``ddtree.engine.timing``) -> the components that stand for it
+STAGE_COMPONENTS: dict[str, tuple[str, ...]] = {
+    "draft": ("drafter forward",),
+    "topk": ("top-k over (B-1) x V",),
+    "build": ("tree build",),
+    "verify": TARGET_FORWARD,
+    "accept": ("accept", "accept walk"),
+    "commit": ("KV commit",),
+    "other": ("framework overhead",),
+}
 
 
 def param_for(params: dict, name: str, hw: Hardware):
@@ -214,16 +244,35 @@ def param_for(params: dict, name: str, hw: Hardware):
     return params.get(f"{name}@{hw.key}", params[name])
 
 
-def scoped_specs(specs: dict[str, ParamSpec], hardware_key: str) -> dict[str, ParamSpec]:
-    """Efficiency parameters of their own for one hardware entry (e.g. ``this-machine``), so
-    CPU measurements do not pull the GPU efficiencies."""
+def scoped_specs(
+    specs: dict[str, ParamSpec], hardware_key: str, engines: tuple[str, ...] = ("python",)
+) -> dict[str, ParamSpec]:
+    """Parameters of their own for one hardware entry (e.g. ``this-machine``), so CPU
+    measurements do not pull the GPU ones: the efficiencies, and the host costs of the
+    engines that ran there (free, fitted to the records' stage timings; the prior is wide
+    because a CPU eager op is not a GPU launch)."""
     out = dict(specs)
     for name in EFFICIENCIES:
         base = specs[name]
         out[f"{name}@{hardware_key}"] = replace(
             base, name=f"{name}@{hardware_key}", about=f"{base.about} (on {hardware_key})"
         )
+    for eng in engines:
+        for what in HOST_PARAMS:
+            base = specs.get(engine_param(eng, what))
+            if base is None:
+                continue
+            scoped = f"{base.name}@{hardware_key}"
+            out[scoped] = replace(
+                base, name=scoped, low=base.default / 10, high=base.default * 10, fit=True,
+                about=f"{base.about} (on {hardware_key})",
+            )  # fmt: skip
     return out
+
+
+def engine_value(params: dict, engine: str, what: str, hw: Hardware):
+    """An engine's host parameter, scoped to ``hw`` when the parameters have it."""
+    return param_for(params, engine_param(engine, what), hw)
 
 
 def link_class(hw: Hardware) -> str:
@@ -266,10 +315,9 @@ def routed_moe_layer(model: ModelShape, tokens, tp: int, curve=None) -> tuple[fl
 def moe_layer_s(model: ModelShape, hw: Hardware, m, params: dict, tp: int = 1, curve=None):
     """Kernel time of one routed-MoE layer at M tokens (what ``bench moe`` measures)."""
     nbytes, flops, prec = routed_moe_layer(model, m, tp, curve)
-    return np.maximum(
-        nbytes / (hw.hbm_bytes_per_s * param_for(params, "moe_efficiency", hw)),
-        flops / (hw.peak_flops(prec) * param_for(params, "compute_efficiency", hw)),
-    )
+    mem_s = nbytes / (hw.hbm_bytes_per_s * param_for(params, "moe_efficiency", hw))
+    cmp_s = flops / (hw.peak_flops(prec) * param_for(params, "compute_efficiency", hw))
+    return np.maximum(mem_s, cmp_s) if hw.overlaps_memory_and_compute else mem_s + cmp_s
 
 
 def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
@@ -281,7 +329,7 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
     if tp < 1 or C < 1:
         raise ValueError(f"tp and concurrency must be >= 1, got tp={tp}, concurrency={C}")
     eng = pt.engine
-    launch_s = params[engine_param(eng, "launch")]
+    launch_s = engine_value(params, eng, "launch", hw)
     mem_bw, mem_eff, cmp_eff = (
         hw.hbm_bytes_per_s,
         param_for(params, "weights_efficiency", hw),
@@ -296,7 +344,8 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
     def device(name, nbytes, flops, prec, launches, eff, formula):
         mem_s = nbytes / (mem_bw * eff)
         cmp_s = flops / (hw.peak_flops(prec) * cmp_eff)
-        secs = np.maximum(mem_s, cmp_s) + launches * launch_s
+        work_s = np.maximum(mem_s, cmp_s) if hw.overlaps_memory_and_compute else mem_s + cmp_s
+        secs = work_s + launches * launch_s
         kind = "compute" if np.all(np.asarray(cmp_s) > np.asarray(mem_s)) else "memory"
         comps.append(Component(name, secs, float(np.mean(nbytes)), float(np.mean(flops)),
                                launches, kind, bw_rule, formula))  # fmt: skip
@@ -306,8 +355,9 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
     kv_shard = 1 if model.attention == "mla" else min(tp, model.num_kv_heads)
     attn_w = L * model.attention_params_per_layer * model.bytes_per_param("attention") / tp
     kv = C * L * pt.context_tokens * model.kv_bytes_per_token_layer() / kv_shard
+    # every query scores the context and the M new keys (the tree mask is dense [M, S + M])
     attn_f = 2.0 * T * L * model.attention_params_per_layer / tp + (
-        T * L * pt.context_tokens * model.attention_flops_per_query_key() / tp
+        T * L * (pt.context_tokens + M) * model.attention_flops_per_query_key() / tp
     )
     device(
         "attention (weights + KV)",
@@ -316,7 +366,8 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
         COMPUTE_PRECISION[model.precision["attention"]],
         L * KERNELS["attention"],
         mem_eff,
-        "L x attn params x bytes/param / TP + C x L x context x KV bytes/token",
+        "L x attn params x bytes/param / TP + C x L x context x KV bytes/token "
+        "(FLOPs 2 x M x C x L x attn params + M x C x L x (context + M) x FLOPs/query-key)",
     )
     Lm = model.num_moe_layers
     if Lm:
@@ -419,8 +470,8 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
             "tree build",
             C
             * (
-                params[engine_param(eng, "tree_fixed")]
-                + pt.budget * params[engine_param(eng, "tree_per_node")]
+                engine_value(params, eng, "tree_fixed", hw)
+                + pt.budget * engine_value(params, eng, "tree_per_node", hw)
             ),
             0.0,
             0.0,
@@ -440,6 +491,18 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
         mem_eff,
         "argmax / compare over the tree, a few kernels",
     )
+    comps.append(
+        Component(
+            "accept walk",
+            C * pt.budget * engine_value(params, eng, "accept_per_node", hw),
+            0.0,
+            0.0,
+            0.0,
+            "host",
+            f"{eng} engine: constant across GPUs (the accepted path is walked on the host)",
+            "C x N x per node",
+        )
+    )
     device(
         "KV commit",
         C * np.asarray(tau_v) * L * model.kv_bytes_per_token_layer() * 2.0 / kv_shard,
@@ -452,7 +515,7 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
     comps.append(
         Component(
             "framework overhead",
-            params[engine_param(eng, "step_overhead")] + 0.0 * np.asarray(tau_v),
+            engine_value(params, eng, "step_overhead", hw) + 0.0 * np.asarray(tau_v),
             0.0,
             0.0,
             0.0,
@@ -490,7 +553,7 @@ class Amdahl:
 def amdahl(cost: StepCost, params: dict, tau: float) -> Amdahl:
     """Physical limit (bytes per GPU / peak HBM bw) and how much of the step is overhead."""
     step = float(np.median(np.asarray(cost.step_s)))
-    launch_s = params[engine_param(cost.point.engine, "launch")]
+    launch_s = engine_value(params, cost.point.engine, "launch", cost.point.hardware)
     launches = sum(c.launches for c in cost.components)
     over = float(
         np.median(

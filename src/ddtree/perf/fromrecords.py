@@ -2,17 +2,23 @@
 
 - ``bench_bandwidth`` -> the ``this-machine`` hardware entry (measured bytes/s);
 - ``engine_run`` -> a step anchor: the record's own target shape (its ``config_json``),
-  drafter size, block size, budget, measured tau and step time, on this machine;
+  drafter size, block size, budget, measured tau and step time, on this machine; plus one
+  stage anchor per measured stage (``summary.stage_s_mean``: draft, top-k, tree build +
+  layout, verify, accept, commit, other) and one for the prefill (``summary.prefill_s_mean``:
+  the target forward over the mean prompt length, no context), so calibration fits each
+  component to its own timing, not only their sum;
 - ``bench_moe`` -> one MoE-layer anchor per measured M (with the measured experts-touched
   curve when the points carry it).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ddtree.perf.catalog import Hardware, load_catalog, this_machine
-from ddtree.perf.cost import Drafter, Point
+from ddtree.perf.cost import STAGE_COMPONENTS, TARGET_FORWARD, Drafter, Point
 from ddtree.perf.model import ModelError, ModelShape, shape_from_config
-from ddtree.perf.scenario import MoeAnchor, ScenarioError, StepAnchor
+from ddtree.perf.scenario import MoeAnchor, ScenarioError, StageAnchor, StepAnchor
 from ddtree.records import Record
 
 _PREC = {
@@ -70,6 +76,57 @@ def _drafter_of(record: Record) -> Drafter | None:
     )
 
 
+# a record's stage -> the cost-model stage it is part of (layout builds the tree's mask)
+_STAGE_OF = {"layout": "build"}
+
+
+def _stage_anchors(step: StepAnchor, r: Record, prompt_lengths: list) -> list[StageAnchor]:
+    """One anchor per measured stage, and one for the prefill forward."""
+    src = f"measured: engine_run {r.created_utc}"
+    stages = r.summary.get("stage_s_mean") or {}
+    total: dict[str, float] = {}
+    for name, secs in stages.items():
+        key = _STAGE_OF.get(name, name)
+        if key in STAGE_COMPONENTS:
+            total[key] = total.get(key, 0.0) + float(secs)
+    out = []
+    for stage, secs in total.items():
+        if secs <= 0 or (stage == "draft" and step.point.drafter is None):
+            continue
+        out.append(
+            StageAnchor(
+                f"{step.name}:{stage}",
+                step.name,
+                stage,
+                STAGE_COMPONENTS[stage],
+                step.model,
+                step.point,
+                step.tau,
+                secs,
+                src,
+            )  # fmt: skip
+        )
+    prefill_s = float(r.summary.get("prefill_s_mean") or 0.0)
+    prompt = sum(prompt_lengths) / len(prompt_lengths)
+    if prefill_s > 0 and prompt >= 1:
+        # the prefill is one target forward over the prompt: width T, no cached context
+        pt = replace(step.point, budget=max(round(prompt) - 1, 0), context_tokens=0.0)
+        out.append(
+            StageAnchor(
+                f"{step.name}:prefill",
+                step.name,
+                "prefill",
+                TARGET_FORWARD,
+                step.model,
+                pt,
+                step.tau,
+                prefill_s,
+                src,
+            )  # fmt: skip
+        )
+    return out
+
+
 def anchors_from_records(records: list[Record]) -> tuple[list, Hardware | None]:
     machine = this_machine(records)
     anchors: list = []
@@ -90,16 +147,16 @@ def anchors_from_records(records: list[Record]) -> tuple[list, Hardware | None]:
                 engine="python",
                 drafter=_drafter_of(r),
             )
-            anchors.append(
-                StepAnchor(
-                    f"run{i}:{r.config['policy']}:B{point.block_size}:N{point.budget}",
-                    _model_of(r, where),
-                    point,
-                    float(r.summary["mean_tau"]),
-                    float(r.summary["step_s_mean"]),
-                    f"measured: engine_run {r.created_utc}",
-                )
+            step = StepAnchor(
+                f"run{i}:{r.config['policy']}:B{point.block_size}:N{point.budget}",
+                _model_of(r, where),
+                point,
+                float(r.summary["mean_tau"]),
+                float(r.summary["step_s_mean"]),
+                f"measured: engine_run {r.created_utc}",
             )
+            anchors.append(step)
+            anchors.extend(_stage_anchors(step, r, lens))
         elif r.kind == "bench_moe":
             c = r.config
             model = ModelShape(

@@ -14,7 +14,7 @@ from ddtree.perf import units as u
 from ddtree.perf.calibrate import Backtest
 from ddtree.perf.cost import link_class, step_cost
 from ddtree.perf.estimate import Estimate
-from ddtree.perf.scenario import Range, StepAnchor
+from ddtree.perf.scenario import Range, StageAnchor, StepAnchor
 from ddtree.perf.uncertainty import CaseResult, point_value
 
 
@@ -209,6 +209,12 @@ def explain(est: Estimate) -> str:
                 f"  {a.name}: {a.point.hardware.key}, B={a.point.block_size} N={a.point.budget} "
                 f"tau {a.tau:g}, {a.tokens_per_s:.1f} tok/s -> step = C x tau / tok/s = "
                 f"{_ms(a.step_s)} [derived]  ({a.source})"
+            )
+        elif isinstance(a, StageAnchor):
+            out.append(
+                f"  {a.name}: {a.stage} stage at M = {a.point.verify_width}, context "
+                f"{a.point.context_tokens:.0f} tok = {_ms(a.seconds)} -> fits "
+                f"{' + '.join(a.components)}  ({a.source})"
             )
         else:
             out.append(

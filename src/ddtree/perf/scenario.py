@@ -68,7 +68,25 @@ class MoeAnchor:
     curve: tuple[tuple[float, float], ...] | None = None
 
 
-Anchor = StepAnchor | MoeAnchor
+@dataclass
+class StageAnchor:
+    """A measured stage of an engine run (``summary.stage_s_mean``): the cost-model components
+    that stand for it (``cost.STAGE_COMPONENTS``) at the run's configuration. ``run`` names the
+    run's step anchor, so a backtest holds a run's stages out together with it. A prefill is a
+    stage too: the target forward over the prompt (``point`` at budget T - 1, context 0)."""
+
+    name: str
+    run: str
+    stage: str
+    components: tuple[str, ...]
+    model: ModelShape
+    point: Point
+    tau: float
+    seconds: float
+    source: str
+
+
+Anchor = StepAnchor | MoeAnchor | StageAnchor
 
 
 @dataclass
@@ -271,7 +289,8 @@ def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> Scenario
     engines = dict(ENGINES)
     for name, entry in (data.get("engine") or {}).items():
         w = f"{where}: engine.{name}"
-        _check_keys(entry, {"step_overhead", "launch", "tree_fixed", "tree_per_node", "about"}, w)
+        times = ("step_overhead", "launch", "tree_fixed", "tree_per_node", "accept_per_node")
+        _check_keys(entry, {*times, "about"}, w)
         base = engines.get(name, ENGINES["python"])
         engines[name] = EngineProfile(
             name,
@@ -279,7 +298,7 @@ def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> Scenario
                 u.parse_quantity(entry[f], u.TIME, f"{w}.{f}")
                 if f in entry
                 else getattr(base, f"{f}_s")
-                for f in ("step_overhead", "launch", "tree_fixed", "tree_per_node")
+                for f in times
             ),
             about=str(entry.get("about", base.about)),
         )
