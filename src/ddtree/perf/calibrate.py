@@ -91,7 +91,7 @@ def _run_of(anchor: Anchor) -> str | None:
 
 
 def _bounds(spec: ParamSpec) -> tuple[float, float]:
-    hi = 1.0 if spec.name.endswith("efficiency") else spec.high * 10
+    hi = 1.0 if spec.name.split("@")[0].endswith("efficiency") else spec.high * 10
     return np.log(max(spec.low / 10, 1e-12)), np.log(hi)
 
 

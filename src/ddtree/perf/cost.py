@@ -264,7 +264,7 @@ def scoped_specs(
                 continue
             scoped = f"{base.name}@{hardware_key}"
             out[scoped] = replace(
-                base, name=scoped, low=base.default / 10, high=base.default * 10, fit=True,
+                base, name=scoped, low=base.default / 100, high=base.default * 100, fit=True,
                 about=f"{base.about} (on {hardware_key})",
             )  # fmt: skip
     return out

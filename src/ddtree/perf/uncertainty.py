@@ -42,7 +42,7 @@ def sample_inputs(
         logs = rng.multivariate_normal(cal.mean_log, cal.cov_log, size=n, method="eigh")
         for i, name in enumerate(cal.names):  # logs: [n, K]
             params[name] = np.exp(logs[:, i])
-            if name.endswith("efficiency"):
+            if name.split("@")[0].endswith("efficiency"):
                 params[name] = np.minimum(params[name], 1.0)
     for name, v in case.overrides.items():
         params[name] = _draw(v, n, rng)
