@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--records", type=Path, help="engine_run records (default runs/engine-*.jsonl)")
     p.add_argument("--show", type=int, default=2, help="print the DDTree text of this many")
     add_decode_arguments(p, max_new_tokens=96)
+    # The demo's models are tiny: one thread is fastest, and two OpenMP threads spinning on a
+    # shared 2-core machine made AR steps 10x slower in our runs (a fake 10x "speedup").
+    p.set_defaults(threads=1)
 
 
 def run(args: argparse.Namespace) -> int:
