@@ -25,7 +25,12 @@ def add_model_arguments(p: argparse.ArgumentParser, default_demo: bool) -> None:
     )
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads, 0 for torch's default (default: %(default)s)",
+    )
 
 
 def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
