@@ -49,7 +49,7 @@ class DrafterShape:
 
 @dataclass(frozen=True)
 class DrafterTrainConfig:
-    steps: int = 500
+    steps: int = 1200
     seqs_per_step: int = 32
     anchors_per_step: int = 8
     lr: float = 2e-3
@@ -57,7 +57,7 @@ class DrafterTrainConfig:
     weight_decay: float = 0.05
     grad_clip: float = 1.0
     loss_gamma: float = 4.0  # position weight exp(-(j-1)/gamma)
-    n_sequences: int = 1024
+    n_sequences: int = 1536
     prompt_len: int = 64
     new_tokens: int = 128
     gen_batch: int = 128

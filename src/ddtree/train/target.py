@@ -60,7 +60,7 @@ class TargetShape:
 
 @dataclass(frozen=True)
 class TargetTrainConfig:
-    steps: int = 1000
+    steps: int = 600
     batch_size: int = 16
     seq_len: int = 256
     lr: float = 3e-3
