@@ -35,7 +35,12 @@ def add_model_arguments(p: argparse.ArgumentParser, default_demo: bool) -> None:
 
 def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--block", type=int, default=8, help="block size B (drafter slots)")
-    p.add_argument("--budget", type=int, default=32, help="DDTree budget N (non-root nodes)")
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=32,
+        help="DDTree budget N, non-root nodes (default: %(default)s)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (1: off)")
