@@ -154,3 +154,37 @@ def test_sample_token_greedy_and_seeded():
     a = sample_token(logits, 1.0, generator=torch.Generator().manual_seed(5))
     b = sample_token(logits, 1.0, generator=torch.Generator().manual_seed(5))
     assert torch.equal(a, b)
+
+
+def _top_p_keep_ref(logits: np.ndarray, top_p: float) -> np.ndarray:
+    # keep a token if the mass of the tokens ranked before it is < top_p (numpy, full sort)
+    z = logits - logits.max(-1, keepdims=True)
+    probs = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    sorted_p = np.take_along_axis(probs, order, -1)
+    before = np.cumsum(sorted_p, -1) - sorted_p
+    keep = np.zeros_like(logits, dtype=bool)
+    np.put_along_axis(keep, order, before < top_p, -1)
+    return keep
+
+
+@pytest.mark.parametrize("scale, top_p", [(4.0, 0.9), (0.3, 0.9), (1.0, 0.5), (0.05, 0.99)])
+def test_top_p_head_path_and_full_sort_agree_with_the_reference(scale, top_p):
+    # scale 4: the nucleus lies in the top 64 (head path); 0.3 / 0.05: it does not (full sort)
+    g = torch.Generator().manual_seed(0)
+    logits = scale * torch.randn(5, 3000, generator=g, dtype=torch.float64)
+    kept = torch.isfinite(process_logits(logits, 1.0, top_p=top_p)).numpy()
+    ref = _top_p_keep_ref(logits.numpy(), top_p)
+    assert (kept == ref).all()
+
+
+def test_sample_token_draws_follow_the_probabilities_and_skip_zeros():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    logits = torch.log(probs)  # -inf where zero
+    g = torch.Generator().manual_seed(11)
+    draws = sample_token(logits.expand(20000, -1), 1.0, generator=g)
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[[0, 2, 5]].sum() == 0
+    expected = probs.double() * 20000
+    chi2 = float(((counts - expected)[expected > 0] ** 2 / expected[expected > 0]).sum())
+    assert chi2 < 13.8  # chi-square, 2 degrees of freedom, p = 0.001

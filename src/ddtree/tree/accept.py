@@ -30,14 +30,29 @@ def process_logits(
     if top_p is not None and top_p < 1.0:
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # keep a token if the mass strictly before it is < top_p (the first is always kept)
-        before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
+        scaled = _top_p_filter(scaled, top_p)
     return torch.log_softmax(scaled, dim=-1)
+
+
+TOP_P_HEAD = 64  # candidates the nucleus is looked for in before falling back to a full sort
+
+
+def _top_p_filter(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep a token if the probability mass of the tokens ranked before it is < top_p (the
+    first is always kept). When the top ``TOP_P_HEAD`` tokens of every row already hold
+    ``top_p`` of the mass, every later token is dropped and only they need sorting (a full
+    sort of [M, V] costs ~1 ms on a CPU at V = 2048, topk(64) ~40 µs); the result is the same."""
+    v = scaled.shape[-1]
+    row_probs = torch.softmax(scaled, dim=-1)
+    head = min(TOP_P_HEAD, v)
+    order = torch.topk(scaled, head, dim=-1).indices  # sorted descending
+    probs = row_probs.gather(-1, order)
+    if head < v and not bool((probs.sum(-1) >= top_p).all()):
+        order = torch.sort(scaled, dim=-1, descending=True).indices
+        probs = row_probs.gather(-1, order)
+    before = torch.cumsum(probs, dim=-1) - probs
+    keep = torch.zeros_like(scaled, dtype=torch.bool).scatter(-1, order, before < top_p)
+    return scaled.masked_fill(~keep, float("-inf"))
 
 
 def sample_token(
@@ -51,8 +66,14 @@ def sample_token(
     if temperature == 0:
         return logits.argmax(-1)
     probs = process_logits(logits, temperature, top_k, top_p).exp()
-    flat = probs.reshape(-1, probs.shape[-1])
-    draws = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    flat = probs.reshape(-1, probs.shape[-1]).to(torch.float64)  # [rows, V]
+    # inverse CDF: the first token whose cumulative mass exceeds u ~ U[0, total). A token of
+    # probability 0 adds nothing to the cumulative sum, so it can never be the first to
+    # exceed u. (torch.multinomial costs ~0.4 ms for [9, 2048] on a CPU; this ~25 µs.)
+    cdf = torch.cumsum(flat, dim=-1)
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
+    draws = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    draws = draws.clamp_(max=flat.shape[-1] - 1)
     return draws.reshape(probs.shape[:-1])
 
 
