@@ -170,7 +170,7 @@ def _top_p_keep_ref(logits: np.ndarray, top_p: float) -> np.ndarray:
 
 @pytest.mark.parametrize("scale, top_p", [(4.0, 0.9), (0.3, 0.9), (1.0, 0.5), (0.05, 0.99)])
 def test_top_p_head_path_and_full_sort_agree_with_the_reference(scale, top_p):
-    # scale 4: the nucleus lies in the top 64 (head path); 0.3 / 0.05: it does not (full sort)
+    # scale 4: the nucleus lies in the top 64; 1.0: in the top 512; 0.3 / 0.05: full sort
     g = torch.Generator().manual_seed(0)
     logits = scale * torch.randn(5, 3000, generator=g, dtype=torch.float64)
     kept = torch.isfinite(process_logits(logits, 1.0, top_p=top_p)).numpy()
