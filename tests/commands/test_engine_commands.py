@@ -36,9 +36,12 @@ def target_dir(tmp_path_factory):
     return path
 
 
-def test_generate_streams_the_ar_completion(target_dir, capsys):
+def test_generate_streams_the_ar_completion(target_dir, tmp_path, capsys):
     argv = ["generate", "--target", str(target_dir), "--policy", "ar", "--prompt", "w1 w2 w3"]
-    assert main(argv + ["--max-new-tokens", "6", "--stats"]) == 0
+    records = tmp_path / "gen.jsonl"
+    assert main(argv + ["--max-new-tokens", "6", "--stats", "--records", str(records)]) == 0
+    (rec,) = read_records(records)
+    assert rec.config["policy"] == "ar" and rec.summary["new_tokens"] == 6
     out = capsys.readouterr()
     words = out.out.split()
     assert words[:3] == ["w1", "w2", "w3"] and len(words) >= 3 + 6 - 1  # <unk> decodes to nothing

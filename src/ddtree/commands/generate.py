@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="ddtree", choices=("ar", "chain", "ddtree"))
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print tau and tokens/s to stderr")
+    p.add_argument("--records", help="append an engine_run measurement record to this JSONL file")
     add_decode_arguments(p, max_new_tokens=128)
 
 
@@ -49,6 +50,22 @@ def run(args: argparse.Namespace) -> int:
     result = generate(models.target, models.drafter, prompt_ids, config, codec, on_commit=stream)
     show(codec.decode(list(prompt_ids) + result.tokens))  # the final text, after stop truncation
     sys.stdout.write("\n")
+    if args.records and result.steps:
+        from ddtree.engine import engine_run_record
+        from ddtree.records import write_records
+
+        drafter = models.drafter if args.policy != "ar" else None
+        record = engine_run_record(
+            [result],
+            config,
+            models.target.info,
+            models.target_path,
+            None if drafter is None else drafter.info,
+            models.drafter_path,
+            device=args.device,
+            prompt_lens=[len(prompt_ids)],
+        )
+        write_records(args.records, [record])
     if args.stats:
         steps = len(result.steps)
         tok_s = sum(result.taus) / result.decode_s if result.decode_s else 0.0
