@@ -45,10 +45,21 @@ def check_topk(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: i
         )
     if not topk_logprobs.is_floating_point():
         raise ValueError(f"topk_logprobs must be floating point, got {topk_logprobs.dtype}")
-    if torch.isnan(topk_logprobs).any():
+    values = topk_logprobs.detach()
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
+        values = values.numpy()  # numpy reductions cost ~1 µs where torch's cost ~5 µs here
+    if values.isnan().any() if isinstance(values, torch.Tensor) else np.isnan(values).any():
         raise ValueError("topk_logprobs contains NaN (expected log-probabilities or -inf)")
-    if (topk_logprobs[..., 1:] > topk_logprobs[..., :-1]).any():
+    if (values[..., 1:] > values[..., :-1]).any():
         raise ValueError("topk_logprobs must be sorted descending along the last dimension (K)")
+
+
+def _host_float64(values: torch.Tensor) -> np.ndarray:
+    """A float64 numpy copy (numpy widens CPU float32 faster than torch's ``.to``)."""
+    values = values.detach()
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
+        return values.numpy().astype(np.float64)
+    return values.to("cpu", torch.float64).numpy()
 
 
 def _visibility_from_masks(masks: list[int], m: int) -> torch.Tensor:
@@ -73,19 +84,21 @@ def build_tree(
     n_depth, k = topk_logprobs.shape
     k = min(k, budget)  # rank >= budget has `budget` better siblings: never chosen
     # Python floats are float64: path scores accumulate in float64 (see module docstring)
-    lp = topk_logprobs[:, :k].detach().to("cpu", torch.float64).tolist()
-    tok = topk_tokens[:, :k].detach().to("cpu", torch.int64).tolist()
+    lp = _host_float64(topk_logprobs[:, :k]).tolist()
+    tok = topk_tokens[:, :k].detach().cpu().numpy().tolist()
     inf = float("inf")
+    # The tie-break "lexicographically smaller rank tuple" as one integer: rank r at depth d is
+    # the digit r + 1 at place (K + 1) ** (L - d), absent depths are 0, so a prefix sorts before
+    # its extensions. Example K = 2, L = 2: (0,) -> 3, (0, 0) -> 4, (0, 1) -> 5, (1,) -> 6.
+    place = [(k + 1) ** (n_depth - d) for d in range(n_depth + 1)]
     tokens, parents, depth, scores, masks = [int(root_token)], [-1], [0], [0.0], [1]
-    heap: list[tuple[float, tuple[int, ...], int]] = []
+    heap: list[tuple[float, int, int, int, int]] = []  # (-score, rank key, parent, depth, rank)
     if budget > 0 and n_depth > 0 and k > 0 and lp[0][0] > -inf:
-        heap.append((-lp[0][0], (0,), 0))
+        heap.append((-lp[0][0], place[1], 0, 1, 0))
     pop, push = heapq.heappop, heapq.heappush
     while heap and len(tokens) <= budget:
-        neg_score, ranks, parent = pop(heap)
+        neg_score, key, parent, d, r = pop(heap)
         node = len(tokens)
-        d = len(ranks)
-        r = ranks[-1]
         row = lp[d - 1]
         tokens.append(tok[d - 1][r])
         parents.append(parent)
@@ -93,14 +106,15 @@ def build_tree(
         scores.append(-neg_score)
         masks.append(masks[parent] | (1 << node))
         if r + 1 < k and row[r + 1] > -inf:
-            push(heap, (-(scores[parent] + row[r + 1]), ranks[:-1] + (r + 1,), parent))
+            push(heap, (-(scores[parent] + row[r + 1]), key + place[d], parent, d, r + 1))
         if d < n_depth and lp[d][0] > -inf:
-            push(heap, (neg_score - lp[d][0], ranks + (0,), node))
+            push(heap, (neg_score - lp[d][0], key + place[d + 1], node, d + 1, 0))
     m = len(tokens)
+    ints = torch.tensor([tokens, parents, depth], dtype=torch.int64)  # [3, M]
     return DraftTree(
-        tokens=torch.tensor(tokens, dtype=torch.int64),
-        parents=torch.tensor(parents, dtype=torch.int64),
-        depth=torch.tensor(depth, dtype=torch.int64),
+        tokens=ints[0],
+        parents=ints[1],
+        depth=ints[2],
         scores=torch.tensor(scores, dtype=torch.float64),
         visibility=_visibility_from_masks(masks, m),
     )
