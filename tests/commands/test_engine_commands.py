@@ -87,3 +87,54 @@ def test_demo_on_the_bundled_pair_is_lossless_and_writes_records(tmp_path, capsy
     assert [r.config["policy"] for r in runs] == ["ar", "chain", "ddtree"]
     assert all(r.config["identical_to_ar"] in (None, True) for r in runs)
     assert runs[2].summary["mean_tau"] > 1.0  # the trained drafter gets tokens accepted
+
+
+def test_generate_with_a_hugging_face_target_and_a_dflash_drafter_matches_ar(tmp_path, capsys):
+    import torch
+
+    from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+    from ddtree.models.hf import HFTarget
+
+    target_dir, drafter_dir = tmp_path / "qwen3", tmp_path / "drafter"
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        initializer_range=0.5,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+    )
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(target_dir)
+    vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(target_dir / "tokenizer.json"))
+    target = HFTarget.from_pretrained(target_dir)
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "vocab_size": 61,
+        "block_size": 4,
+        "num_target_layers": 2,
+        "dflash_config": {"mask_token_id": 60, "target_layer_ids": [0, 1]},
+    }
+    model = DFlashModel(DFlashConfig.from_dict(raw))
+    DFlashDrafter(model, target.embed_tokens, target.lm_head).save_pretrained(drafter_dir)
+    outputs = {}
+    for policy in ("ar", "ddtree"):
+        argv = ["generate", "--target", str(target_dir), "--drafter", str(drafter_dir)]
+        argv += ["--policy", policy, "--block", "4", "--budget", "6", "--prompt", "w3 w4"]
+        assert main(argv + ["--max-new-tokens", "12"]) == 0
+        outputs[policy] = capsys.readouterr().out
+    assert outputs["ddtree"] == outputs["ar"] and len(outputs["ar"].split()) > 2
