@@ -48,16 +48,6 @@ def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type: "8,16,32" -> [8, 16, 32]."""
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-
-
 def decode_config(args: argparse.Namespace, policy: str, budget: int | None = None, **extra):
     """A ``DecodeConfig`` from the arguments ``add_decode_arguments`` added."""
     from ddtree.engine import DecodeConfig

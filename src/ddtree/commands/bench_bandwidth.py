@@ -5,17 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+from ddtree.commands._args import int_list
 
 
 def _methods(text: str) -> list[str]:
@@ -45,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sizes-mib",
-        type=_ints,
+        type=int_list,
         default=[256],
         help="buffer sizes in MiB, well above the last-level cache (default 256)",
     )

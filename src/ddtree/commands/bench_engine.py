@@ -6,12 +6,12 @@ import argparse
 import time
 from pathlib import Path
 
+from ddtree.commands._args import int_list
 from ddtree.commands._decode import (
     add_decode_arguments,
     add_model_arguments,
     decode_config,
     demo_prompts,
-    int_list,
     load_models,
     set_threads,
     summary_tables,

@@ -8,17 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+from ddtree.commands._args import int_list
 
 
 def _precisions(text: str) -> list[str]:
@@ -56,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-experts", type=int, help="shared experts (always run)")
     p.add_argument(
         "--ms",
-        type=_ints,
+        type=int_list,
         default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
         help="verify widths M (default 1,2,4,...,256)",
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ddtree.commands._decode import int_list
+from ddtree.commands._args import int_list
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,14 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+from ddtree.commands._args import int_list
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--train-budgets",
-        type=_ints,
+        type=int_list,
         help="with --backtest: calibrate on runs at these budgets, predict the others",
     )
     p.add_argument(

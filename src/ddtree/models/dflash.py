@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.base import ModelInfo, NonFiniteLogitsError
+from ddtree.models.mla_moe import RMSNorm  # the same float32-accumulating norm
 
 ARCHITECTURE = "DFlashDraftModel"
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -212,18 +213,6 @@ class DFlashConfig:
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
         return out
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
