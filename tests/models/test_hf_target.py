@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.trees import make_tree
 
 from ddtree.models.base import Target
 from ddtree.models.hf import (
@@ -77,26 +78,6 @@ def make_model(kind: str, attn: str = "sdpa"):
 )
 def model(request):
     return make_model(*request.param)
-
-
-def make_tree(tokens: list[int], parents: list[int]) -> DraftTree:
-    m = len(tokens)
-    depth = [0] * m
-    vis = torch.zeros(m, m, dtype=torch.bool)
-    for i in range(m):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
-        if i:
-            depth[i] = depth[parents[i]] + 1
-    return DraftTree(
-        tokens=torch.tensor(tokens),
-        parents=torch.tensor(parents),
-        depth=torch.tensor(depth),
-        scores=torch.zeros(m, dtype=torch.float64),
-        visibility=vis,
-    )
 
 
 def path_tokens(tree: DraftTree, node: int) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.trees import make_tree
 
 from ddtree.models.base import Target
 from ddtree.models.mla_moe import (
@@ -15,7 +16,6 @@ from ddtree.models.mla_moe import (
     NonFiniteLogitsError,
     causal_mask,
 )
-from ddtree.tree.types import DraftTree
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,26 +102,6 @@ def ours(hf, attn_impl: str = "absorbed") -> MlaMoeTarget:
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
-
-
-def make_tree(tokens: list[int], parents: list[int]) -> DraftTree:
-    m = len(tokens)
-    depth = [0] * m
-    vis = torch.zeros(m, m, dtype=torch.bool)
-    for i in range(m):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
-        if i:
-            depth[i] = depth[parents[i]] + 1
-    return DraftTree(
-        tokens=torch.tensor(tokens),
-        parents=torch.tensor(parents),
-        depth=torch.tensor(depth),
-        scores=torch.zeros(m),
-        visibility=vis,
-    )
 
 
 def path_of(parents: list[int], i: int) -> list[int]:
