@@ -167,6 +167,32 @@ def test_propose_matches_the_reference_cached_decode(name):
         assert float((got - want).abs().max()) <= TOL, (seen, float((got - want).abs().max()))
 
 
+@pytest.mark.parametrize("name", list(REF_CONFIGS))
+def test_propose_at_many_roots_equals_propose_at_each_position(name):
+    """One forward over many roots (block-structured mask) drafts what ``propose`` drafts at
+    each position after committing the tokens before it, windows and causal layers included."""
+    raw = REF_CONFIGS[name]
+    model, embed, head = _random(raw)
+    drafter = DFlashDrafter(model, embed, head)
+    torch.manual_seed(7)
+    seq_len = 14
+    hidden = torch.randn(seq_len, 2 * raw["hidden_size"])  # [S, F]
+    tokens = torch.randint(0, VOCAB, (seq_len + 1,))
+    roots = torch.tensor([3, 4, 5, 9, 14, 1])  # any order, context 0..p-1 each
+    got = drafter.propose_at(hidden, tokens[roots], roots)
+    assert got.shape == (len(roots), raw["block_size"] - 1, VOCAB)
+    for i, p in enumerate(roots.tolist()):
+        drafter.reset()
+        want = drafter.propose(hidden[:p], int(tokens[p]))
+        diff = float((got[i] - want).abs().max())
+        assert diff <= TOL, (p, diff)
+    assert not torch.allclose(got[0], got[1])
+    with pytest.raises(ValueError, match=r"root_positions must be .* in 1\.\.14"):
+        drafter.propose_at(hidden, tokens[:1], torch.tensor([15]))
+    with pytest.raises(ValueError, match="root_tokens outside"):
+        drafter.propose_at(hidden, torch.tensor([VOCAB]), torch.tensor([2]))
+
+
 def test_saved_drafter_loads_into_the_reference(tmp_path):
     """Our save format is the z-lab one: the reference's from_pretrained reads it."""
     dflash = pytest.importorskip("dflash.model")

@@ -312,6 +312,10 @@ def attention_mask(
     return visible[:, None]
 
 
+def _both(mask: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    return mask if visible is None else mask & visible
+
+
 class DFlashModel(nn.Module):
     """The drafter's own weights (parameter names as in z-lab checkpoints)."""
 
@@ -336,12 +340,13 @@ class DFlashModel(nn.Module):
         return [layer.self_attn.keys_values(features, cos, sin) for layer in self.layers]
 
     def block_hidden(
-        self, block_emb, block_positions, ctx_kv, context_positions=None
+        self, block_emb, block_positions, ctx_kv, context_positions=None, visible=None
     ) -> torch.Tensor:
         """block_emb [R, B, H] at block_positions [R, B], attending to the per-layer context
         keys/values ``ctx_kv`` [R, kv_heads, C, D] -> final-normed hidden [R, B, H].
         ``context_positions`` [R, C] (default 0..C-1) only matter for windowed or causal
-        layers (the keys are already rotated)."""
+        layers (the keys are already rotated). ``visible`` [R, 1, B, C+B] bool (None: all)
+        hides more keys, on top of the window/causal rules (many blocks in one row)."""
         c = self.config
         cos, sin = rope_cos_sin(block_positions, c.head_dim, c.rope_theta, block_emb.dtype)
         masks: dict[tuple, torch.Tensor | None] = {}
@@ -355,7 +360,9 @@ class DFlashModel(nn.Module):
             kind = c.layer_attention(i)
             if kind not in masks:
                 masks[kind] = (
-                    None if kind == (None, False) else attention_mask(block_positions, keys, *kind)
+                    visible
+                    if kind == (None, False)
+                    else _both(attention_mask(block_positions, keys, *kind), visible)
                 )
             x = layer(x, cos, sin, k, v, masks[kind])
         return self.norm(x)
@@ -504,6 +511,52 @@ class DFlashDrafter:
             raise NonFiniteLogitsError(
                 f"drafter {self.info.name}: NaN/inf logits for the block after {n} context "
                 f"tokens (root {root_token}); stopping instead of drafting garbage"
+            )
+        return logits
+
+    @torch.inference_mode()
+    def propose_at(
+        self,
+        context_hidden: torch.Tensor,  # [C, F] target hidden states of tokens 0..C-1
+        root_tokens: torch.Tensor,  # [R] int64
+        root_positions: torch.Tensor,  # [R] int64, each in 1..C
+    ) -> torch.Tensor:
+        """Many blocks in one forward, independent of this drafter's cache: block r is
+        ``[root_tokens[r], MASK x (B-1)]`` at positions ``p..p+B-1`` (``p = root_positions[r]``)
+        and sees the context ``0..p-1`` and its own block, as :meth:`propose` drafts it after
+        committing tokens ``0..p-1``. Returns logits [R, B-1, V].
+
+        The R blocks are one row of ``R * B`` queries against the context followed by every
+        block, under a block-structured mask (example, B = 2, roots at 1 and 2: the queries
+        at 1, 2 see context 0 and keys 1, 2; the queries at 2, 3 see context 0, 1 and keys
+        2, 3), so a recorder drafts every position of a sequence in a few forwards."""
+        c, b = self.config, self.config.block_size
+        roots = root_positions.to(self.device, torch.int64)  # [R]
+        r = int(roots.shape[0])
+        ctx_len = int(roots.max()) if r else 0
+        if r == 0 or int(roots.min()) < 1 or ctx_len > context_hidden.shape[0]:
+            raise ValueError(
+                f"root_positions must be non-empty and in 1..{context_hidden.shape[0]} (the "
+                f"context rows), got {root_positions.tolist()[:8]}"
+            )
+        if not bool(((root_tokens >= 0) & (root_tokens < c.vocab_size)).all()):
+            raise ValueError(f"root_tokens outside the vocabulary 0..{c.vocab_size - 1}")
+        ctx_positions = torch.arange(ctx_len, device=self.device)[None]  # [1, C]
+        feats = self.model.context(context_hidden[:ctx_len].to(self.device, self.dtype)[None])
+        ids = torch.full((r, b), c.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[:, 0] = root_tokens.to(self.device)
+        positions = (roots[:, None] + torch.arange(b, device=self.device)).view(1, r * b)
+        emb = self.embed_tokens(ids.view(1, r * b)).to(self.dtype) * c.input_embedding_scale
+        block_of = torch.arange(r, device=self.device).repeat_interleave(b)  # [R*B]
+        sees_context = ctx_positions[0][None, :] < roots.repeat_interleave(b)[:, None]
+        own_block = block_of[:, None] == block_of[None, :]  # [R*B, R*B]
+        visible = torch.cat([sees_context, own_block], 1)[None, None]  # [1, 1, R*B, C+R*B]
+        kv = self.model.context_kv(feats, ctx_positions)
+        hidden = self.model.block_hidden(emb, positions, kv, ctx_positions, visible)
+        logits = self.model.logits(hidden.view(r, b, -1)[:, 1:], self.lm_head)  # [R, B-1, V]
+        if self.check_finite and not torch.isfinite(logits.sum(dtype=torch.float32)):
+            raise NonFiniteLogitsError(
+                f"drafter {self.info.name}: NaN/inf logits in a batch of {r} blocks"
             )
         return logits
 
