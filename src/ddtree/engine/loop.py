@@ -21,6 +21,7 @@ import torch
 
 from ddtree import tree as tree_core
 from ddtree.engine.policies import Policy, get_policy, root_tree
+from ddtree.engine.stop import StopCondition
 from ddtree.engine.timing import StageClock, StepTimings
 from ddtree.models.base import Drafter, Target
 
@@ -64,7 +65,7 @@ class DecodeConfig:
 class GenerationResult:
     tokens: list[int]  # new tokens, after the prompt (EOS included if it stopped there)
     text: str | None  # decoded new tokens, when a tokenizer was given
-    taus: list[int]  # tokens committed by each step
+    taus: list[int]  # tokens each step added to ``tokens`` (after truncation at the stop)
     steps: list[StepTimings] = field(default_factory=list)
     prefill_s: float = 0.0
     stop_reason: str = "max_new_tokens"  # "max_new_tokens" | "eos" | "stop_string"
@@ -90,8 +91,6 @@ def generate(
     policy = get_policy(config.policy)
     if policy.needs_drafter and drafter is None:
         raise ValueError(f"policy {policy.name!r} needs a drafter")
-    if config.stop_strings and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer")
     prompt = torch.as_tensor(prompt_ids, dtype=torch.int64).flatten()  # [T] int64
     if prompt.numel() == 0:
         raise ValueError("the prompt is empty: give at least one token")
@@ -101,7 +100,10 @@ def generate(
             f"block_size {config.block_size} != the drafter's block_size {drafter.block_size}"
         )
     _check_context(target, int(prompt.numel()), config.max_new_tokens, block)
-    eos = set(target.info.eos_token_ids if config.eos_token_ids is None else config.eos_token_ids)
+    eos = target.info.eos_token_ids if config.eos_token_ids is None else config.eos_token_ids
+    stop_condition = StopCondition(
+        config.max_new_tokens, frozenset(eos), config.stop_strings, tokenizer
+    )
     device = _device_of(target)
     generator = None
     if not config.greedy:
@@ -126,7 +128,7 @@ def generate(
     result = GenerationResult(tokens=tokens, text=None, taus=[], prefill_s=prefill_s)
     if on_commit is not None:
         on_commit([root])
-    stop = _stop_reason(tokens, 1, eos, config, tokenizer)
+    stop = stop_condition.scan(tokens, 0)  # the prefill's token can stop the request too
     budget = policy.budget(config.block_size, config.budget)
     while stop is None:
         clock.begin()
@@ -145,11 +147,10 @@ def generate(
         root = accept.bonus_token
         before = len(tokens)
         tokens.extend(new)
-        stop = _stop_reason(tokens, before, eos, config, tokenizer)
-        if len(tokens) > config.max_new_tokens:
-            del tokens[config.max_new_tokens :]
-        result.steps.append(clock.end(accept.tau))
-        result.taus.append(accept.tau)
+        stop = stop_condition.scan(tokens, before)
+        tau = len(tokens) - before  # the step's tokens that are returned, after any stop
+        result.steps.append(clock.end(tau))
+        result.taus.append(tau)
         if on_commit is not None:
             on_commit(tokens[before:])
     result.stop_reason = stop
@@ -196,23 +197,6 @@ def _choose(logits: torch.Tensor, config: DecodeConfig, generator) -> int:
     return int(
         tree_core.sample_token(logits, config.temperature, config.top_k, config.top_p, generator)
     )
-
-
-def _stop_reason(tokens: list[int], before: int, eos: set[int], config, tokenizer) -> str | None:
-    """Truncate ``tokens`` in place at the first stop among the tokens from ``before`` on."""
-    for i in range(before, len(tokens)):
-        if tokens[i] in eos:
-            del tokens[i + 1 :]
-            return "eos"
-    if config.stop_strings:
-        for i in range(before, len(tokens)):
-            prefix = tokenizer.decode(tokens[: i + 1])
-            if any(s in prefix for s in config.stop_strings):
-                del tokens[i + 1 :]
-                return "stop_string"
-    if len(tokens) >= config.max_new_tokens:
-        return "max_new_tokens"
-    return None
 
 
 def _check_context(target: Target, prompt_len: int, max_new_tokens: int, block: int) -> None:
