@@ -13,8 +13,10 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 
 from ddtree.errors import NonFiniteLogitsError
+from ddtree.records import RecordWarning
 
 # (command path, module, one-line help). A path of two words is a sub-subcommand.
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
@@ -65,7 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_default_showwarning = warnings.showwarning
+
+
+def _showwarning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A skipped record (newer schema, truncated line) is one line: ``warning: file:line: ...``."""
+    if issubclass(category, RecordWarning):
+        print(f"warning: {message}", file=sys.stderr)
+    else:
+        _default_showwarning(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _showwarning
     parser = build_parser()
     args = parser.parse_args(argv)
     run = getattr(args, "_run", None)

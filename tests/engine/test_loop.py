@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddtree.engine import ContextLengthError, DecodeConfig, engine_run_record, generate
-from ddtree.records import ENGINE_STAGES, read_records, write_records
+from ddtree.records import STEP_STAGES, read_records, write_records
 from ddtree.tree import process_logits
 
 from .helpers import ScriptedDrafter, tiny_hf_target, tiny_mla_target
@@ -189,7 +189,7 @@ def test_stage_timings_add_up_and_the_record_round_trips(target, tmp_path):
     cfg = DecodeConfig("ddtree", block_size=8, budget=16, max_new_tokens=40)
     out = generate(target, drafter, prompt, cfg)
     for step in out.steps:
-        assert set(step.stage_s) == set(ENGINE_STAGES)
+        assert set(step.stage_s) == set(STEP_STAGES)
         assert all(v >= 0 for v in step.stage_s.values())
         assert math.isclose(sum(step.stage_s.values()), step.step_s, rel_tol=1e-9)
         assert step.stage_s["verify"] > 0 and step.stage_s["draft"] > 0

@@ -168,9 +168,10 @@ def bench_bandwidth(
 
 
 def to_records(points: list[BandwidthPoint], hardware, extra_config: dict) -> list:
-    """One ``bench_bandwidth`` record per (device, method). Its summary is the point at the
-    largest buffer (the one furthest above the caches); ``points`` keep every size."""
-    from ddtree.records import Record
+    """The bandwidth benchmark's record builder: one ``bench_bandwidth`` record per (device,
+    method). Its summary is the point at the largest buffer (the one furthest above the
+    caches); ``points`` keep every size."""
+    from ddtree.records import Provenance, make_record
 
     groups: dict[tuple[str, str], list[BandwidthPoint]] = {}
     for p in points:
@@ -192,7 +193,14 @@ def to_records(points: list[BandwidthPoint], hardware, extra_config: dict) -> li
             "buffer_bytes": top.buffer_bytes,
         }
         records.append(
-            Record("bench_bandwidth", hardware, config, summary, [asdict(p) for p in pts])
+            make_record(
+                "bench_bandwidth",
+                hardware,
+                config,
+                summary,
+                [asdict(p) for p in pts],
+                Provenance.here("ddtree bench bandwidth"),
+            )
         )
     return records
 

@@ -405,6 +405,27 @@ def bench_moe(
         )
 
 
+def to_record(
+    points: list[MoeBenchPoint], hardware, config: dict, peak_bytes_per_s: float, peak_source: str
+):
+    """The MoE benchmark's record builder: one ``bench_moe`` record per precision."""
+    from ddtree.records import Provenance, make_record
+
+    summary = {
+        "peak_bytes_per_s": peak_bytes_per_s,
+        "peak_source": peak_source,
+        "max_fraction_of_peak": max(p.fraction_of_peak for p in points),
+    }
+    return make_record(
+        "bench_moe",
+        hardware,
+        config,
+        summary,
+        [p.as_dict() for p in points],
+        Provenance.here("ddtree bench moe"),
+    )
+
+
 def total_weight_bytes(shape: MoeShape, precision: str, group_size: int = INT4_GROUP_SIZE) -> int:
     """All weights of one layer at ``precision`` (routed experts) + BF16 shared + FP32 router."""
     shared, router = fixed_weight_bytes(shape)

@@ -72,3 +72,17 @@ def bench_tree(
                     layout_t.median_s,
                     bt.median_s / r + layout_t.median_s,
                 )
+
+
+def to_record(points: list[TreeBenchPoint], hardware, config: dict):
+    """The tree benchmark's record builder: one ``bench_tree`` record for the whole sweep."""
+    from ddtree.records import Provenance, make_record
+
+    return make_record(
+        "bench_tree",
+        hardware,
+        config,
+        {},
+        [p.as_dict() for p in points],
+        Provenance.here("ddtree bench tree"),
+    )

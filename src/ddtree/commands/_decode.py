@@ -145,7 +145,7 @@ def summary_tables(points, title: str):
     from rich.table import Table
 
     from ddtree.engine.sweep import speedups
-    from ddtree.records import ENGINE_STAGES
+    from ddtree.records import STEP_STAGES
 
     ratio = speedups(points)
     head = Table(title=title)
@@ -156,7 +156,7 @@ def summary_tables(points, title: str):
         box=box.SIMPLE_HEAD,
         padding=(0, 0, 0, 1),
     )
-    for col in ("policy", "N", *ENGINE_STAGES, "ovhd"):
+    for col in ("policy", "N", *STEP_STAGES, "ovhd"):
         stages.add_column(col, justify="left" if col == "policy" else "right")
     for i, p in enumerate(points):
         s, c = p.summary, p.config
@@ -173,6 +173,6 @@ def summary_tables(points, title: str):
             same,
             f"{s['step_s_mean'] * 1e3:.2f}",
         )
-        stage_ms = [f"{s['stage_s_mean'][k] * 1e3:.2f}" for k in ENGINE_STAGES]
+        stage_ms = [f"{s['stage_s_mean'][k] * 1e3:.2f}" for k in STEP_STAGES]
         stages.add_row(c.policy, budget, *stage_ms, f"{s['overhead_fraction'] * 100:.0f}%")
     return head, stages

@@ -147,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from ddtree.bench.bandwidth import host_conditions, last_level_cache_bytes
-    from ddtree.bench.moe import bench_moe, build_layer, gib, total_weight_bytes
-    from ddtree.records import HardwareInfo, Record, RecordError, write_records
+    from ddtree.bench.moe import bench_moe, build_layer, gib, to_record, total_weight_bytes
+    from ddtree.records import HardwareInfo, RecordError, write_records
 
     if args.repeats < 1 or args.warmup < 0:
         print(
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
             points = []
             for pt in bench_moe(layer, shape, args.ms, peak.bytes_per_s, args.repeats, args.warmup):
                 status.update(f"{precision} M={pt.m}")
-                points.append(pt.as_dict())
+                points.append(pt)
                 table.add_row(
                     precision,
                     str(pt.m),
@@ -246,13 +246,9 @@ def run(args: argparse.Namespace) -> int:
                 **host,
                 "routing": "random router rows of equal norm, Gaussian tokens, fresh per call",
             }
-            summary = {
-                "peak_bytes_per_s": peak.bytes_per_s,
-                "peak_source": peak.source,
-                "max_fraction_of_peak": max(p["fraction_of_peak"] for p in points),
-            }
-            records.append(Record("bench_moe", hw, config, summary, points))
-            results.append({**config, **summary, "points": points})
+            record = to_record(points, hw, config, peak.bytes_per_s, peak.source)
+            records.append(record)
+            results.append({**record.config, **record.summary, "points": record.points})
     if args.records:  # before stdout, which may be a closed pipe
         write_records(args.records, records)
     console.print(table)

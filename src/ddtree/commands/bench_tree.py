@@ -27,8 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ddtree.bench.tree import bench_tree
-    from ddtree.records import HardwareInfo, Record, write_records
+    from ddtree.bench.tree import bench_tree, to_record
+    from ddtree.records import HardwareInfo, write_records
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             args.blocks, args.budgets, args.vocab, tuple(args.batch), args.repeats
         ):
             status.update(f"B={pt.block_size} N={pt.budget} {pt.builder} R={pt.requests}")
-            points.append(pt.as_dict())
+            points.append(pt)
             table.add_row(
                 str(pt.block_size),
                 str(pt.budget),
@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         "warmup": 3,
         "statistic": "median",
     }
-    print(json.dumps({"bench": "tree", "hardware": hw.label, **config, "points": points}))
+    record = to_record(points, hw, config)
+    print(json.dumps({"bench": "tree", "hardware": hw.label, **config, "points": record.points}))
     if args.records:
-        write_records(args.records, [Record("bench_tree", hw, config, {}, points)])
+        write_records(args.records, [record])
     return 0

@@ -10,8 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.engine.loop import DecodeConfig, GenerationResult
-from ddtree.engine.timing import MODEL_STAGES
-from ddtree.records import ENGINE_STAGES, HardwareInfo, Record
+from ddtree.records import (
+    MODEL_STAGES,
+    STEP_STAGES,
+    EngineMode,
+    EngineRun,
+    HardwareInfo,
+    Provenance,
+)
 
 
 def model_config(info, path: str | Path | None) -> dict[str, Any]:
@@ -24,14 +30,14 @@ def model_config(info, path: str | Path | None) -> dict[str, Any]:
 
 
 def summarize(results: Sequence[GenerationResult]) -> dict[str, Any]:
-    """Headline figures over every step of every result."""
+    """Headline figures over every step of every result (the engine_run summary fields)."""
     steps = [s for r in results for s in r.steps]
     if not steps:
         raise ValueError("no decode steps to summarise (max_new_tokens 1 decodes none)")
     step_s = sorted(s.step_s for s in steps)
     total_s = sum(step_s)
     taus = [s.tau for s in steps]
-    stage_s_mean = {k: sum(s.stage_s[k] for s in steps) / len(steps) for k in ENGINE_STAGES}
+    stage_s_mean = {k: sum(s.stage_s[k] for s in steps) / len(steps) for k in STEP_STAGES}
     model_s = sum(stage_s_mean[k] for k in MODEL_STAGES)
     step_s_mean = total_s / len(steps)
     return {
@@ -59,32 +65,32 @@ def engine_run_record(
     device: str = "cpu",
     prompt_lens: Sequence[int] = (),
     extra: dict[str, Any] | None = None,
-) -> Record:
-    cfg = {
-        "policy": config.policy,
-        "block_size": config.block_size if config.policy != "ar" else 1,
-        "budget": {"ar": 0, "chain": config.block_size - 1}.get(config.policy, config.budget),
-        "temperature": config.temperature,
-        "top_k": config.top_k,
-        "top_p": config.top_p,
-        "seed": config.seed,
-        "max_new_tokens": config.max_new_tokens,
-        "target": model_config(target_info, target_path),
-        "drafter": None if drafter_info is None else model_config(drafter_info, drafter_path),
-        "dtype": target_info.dtype,
-        "device": device,
-        "prompts": {"count": len(results), "lengths": list(prompt_lens)},
-        **(extra or {}),
-    }
-    points = [
-        {"tau": s.tau, "step_s": s.step_s, "stage_s": dict(s.stage_s)}
-        for r in results
-        for s in r.steps
-    ]
-    return Record(
-        kind="engine_run",
+    engine_mode: EngineMode | str = EngineMode.EAGER,
+    producer: str = "ddtree.engine",
+) -> EngineRun:
+    """The engine's record builder. ``extra`` keys go to the record's config as they are."""
+    return EngineRun(
         hardware=HardwareInfo.collect(),
-        config=cfg,
-        summary=summarize(results),
-        points=points,
+        provenance=Provenance.here(producer),
+        policy=config.policy,
+        block_size=config.block_size if config.policy != "ar" else 1,
+        budget={"ar": 0, "chain": config.block_size - 1}.get(config.policy, config.budget),
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        seed=config.seed,
+        max_new_tokens=config.max_new_tokens,
+        target=model_config(target_info, target_path),
+        drafter=None if drafter_info is None else model_config(drafter_info, drafter_path),
+        dtype=target_info.dtype,
+        device=device,
+        engine_mode=engine_mode,
+        prompt_set={"count": len(results), "lengths": list(prompt_lens)},
+        config_extra=dict(extra or {}),
+        points=[
+            {"tau": s.tau, "step_s": s.step_s, "stage_s": dict(s.stage_s)}
+            for r in results
+            for s in r.steps
+        ],
+        **summarize(results),
     )

@@ -8,18 +8,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.records import ENGINE_STAGES
-
-MODEL_STAGES = ("draft", "verify")
-"""Stages spent in model forwards; every other stage is engine overhead."""
+from ddtree.records import MODEL_STAGES, STEP_STAGES, Stage
 
 
 @dataclass
 class StepTimings:
-    """Seconds of one decode step by stage (``ENGINE_STAGES``); ``other`` = step - named."""
+    """Seconds of one decode step by stage (``STEP_STAGES``); ``other`` = step - named."""
 
     step_s: float
-    stage_s: dict[str, float]
+    stage_s: dict[Stage, float]
     tau: int
 
     @property
@@ -34,7 +31,7 @@ class StageClock:
     sync_cuda: bool
     _t0: float = 0.0
     _last: float = 0.0
-    _stage_s: dict[str, float] = field(default_factory=dict)
+    _stage_s: dict[Stage, float] = field(default_factory=dict)
 
     @staticmethod
     def for_device(device: torch.device | str) -> StageClock:
@@ -47,14 +44,15 @@ class StageClock:
 
     def begin(self) -> None:
         self._t0 = self._last = self._now()
-        self._stage_s = dict.fromkeys(ENGINE_STAGES, 0.0)
+        self._stage_s = dict.fromkeys(STEP_STAGES, 0.0)
 
-    def mark(self, stage: str) -> None:
+    def mark(self, stage: Stage | str) -> None:
+        """Charge the time since the last mark to ``stage`` (a ``Stage`` or its name)."""
         now = self._now()
-        self._stage_s[stage] += now - self._last
+        self._stage_s[Stage(stage)] += now - self._last
         self._last = now
 
     def end(self, tau: int) -> StepTimings:
         now = self._now()
-        self._stage_s["other"] += now - self._last
+        self._stage_s[Stage.OTHER] += now - self._last
         return StepTimings(step_s=now - self._t0, stage_s=self._stage_s, tau=tau)
