@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from ddtree.perf.calibrate import backtest, calibrate
-from ddtree.perf.cost import STAGE_COMPONENTS, TARGET_FORWARD, step_cost
+from ddtree.perf.cost import prefill_cost, step_cost
 from ddtree.perf.estimate import load
 from ddtree.perf.fromrecords import anchors_from_records
 from ddtree.perf.scenario import StageAnchor, StepAnchor
-from ddtree.records import Record, read_records, write_records
+from ddtree.records import STEP_STAGES, Stage, read_records, write_records
 
 REAL = Path(__file__).parent / "data" / "demo_pair_cpu_runs.jsonl"
 BUDGETS = (8, 16, 32, 64, 128, 256)
@@ -36,7 +36,6 @@ TRUTH = {
     "python.tree_per_node@this-machine": 2.5e-6,
     "python.accept_per_node@this-machine": 2.0e-6,
 }
-STAGES = ("draft", "topk", "build", "verify", "accept", "commit", "other")
 
 
 def _load_backtest(path: Path, train=(8, 16)):
@@ -51,11 +50,7 @@ def _synthetic_records(tmp_path: Path) -> Path:
     template = next(r for r in real if r.kind == "engine_run")
     bandwidth = [r for r in real if r.kind == "bench_bandwidth"]
     rng = np.random.default_rng(5)
-    skeletons = []
-    for n in BUDGETS:
-        cfg = {**template.config, "budget": n}
-        summary = {**template.summary, "mean_tau": 2.8 + 0.45 * np.log2(n / 8)}
-        skeletons.append(Record("engine_run", template.hardware, cfg, summary))
+    skeletons = [replace(template, budget=n, mean_tau=2.8 + 0.45 * np.log2(n / 8)) for n in BUDGETS]
     anchors, _ = anchors_from_records(bandwidth + skeletons)
     sf = load(None, [str(REAL)])
     truth = {**{k: s.default for k, s in sf.specs.items()}, **TRUTH}
@@ -64,26 +59,15 @@ def _synthetic_records(tmp_path: Path) -> Path:
     for skel, a in zip(skeletons, steps, strict=True):
         cost = step_cost(a.model, a.point, truth, a.tau)
         noise = lambda: float(rng.normal(1.0, 0.02))  # noqa: E731 - 2% timing noise
-        stage_s = {
-            s: noise() * sum(float(c.seconds) for c in cost.components if
-                             c.name in STAGE_COMPONENTS[s])
-            for s in STAGES
-        }  # fmt: skip
-        lens = skel.config["prompts"]["lengths"]
-        pre = replace(a.point, budget=round(sum(lens) / len(lens)) - 1, context_tokens=0.0)
-        pre_cost = step_cost(a.model, pre, truth, a.tau)
-        prefill_s = noise() * sum(
-            float(c.seconds) for c in pre_cost.components if c.name in TARGET_FORWARD
-        )
+        stage_s = {s: noise() * float(cost.stage_s(s)) for s in STEP_STAGES}
+        lens = skel.prompt_lengths
+        pre_cost = prefill_cost(a.model, a.point, truth, sum(lens) / len(lens))
+        prefill_s = noise() * float(pre_cost.stage_s(Stage.PREFILL))
         step_s = sum(stage_s.values())
-        summary = {
-            **skel.summary,
-            "stage_s_mean": stage_s,
-            "step_s_mean": step_s,
-            "tokens_per_s": a.tau / step_s,
-            "prefill_s_mean": prefill_s,
-        }
-        recs.append(Record("engine_run", skel.hardware, skel.config, summary))
+        recs.append(
+            replace(skel, stage_s_mean=stage_s, step_s_mean=step_s, tokens_per_s=a.tau / step_s,
+                    prefill_s_mean=prefill_s)
+        )  # fmt: skip
     path = tmp_path / "synthetic.jsonl"
     write_records(path, recs, append=False)
     return path
@@ -100,9 +84,9 @@ def test_stage_anchors_come_from_each_run():
     assert len(steps) == 6
     for a in steps:
         mine = {s.stage for s in stages if s.run == a.name}
-        assert mine == {*STAGES, "prefill"}, a.name
-    prefill = next(s for s in stages if s.stage == "prefill")
-    assert prefill.point.context_tokens == 0 and prefill.point.verify_width == 64  # mean prompt
+        assert mine == set(Stage), a.name
+    prefill = next(s for s in stages if s.stage is Stage.PREFILL)
+    assert prefill.prompt_tokens == pytest.approx(63.75)  # the mean of prompts 53, 63, 66, 73
 
 
 def test_backtest_recovers_ground_truth_model(tmp_path):

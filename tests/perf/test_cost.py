@@ -54,10 +54,10 @@ def test_doubling_bandwidth_halves_memory_bound_terms():
     b = step_cost(K2T, _point(hardware=with_bandwidth(hw, 2 * hw.hbm_bytes_per_s)), P, 4.4)
     launch = P["python.launch"]
     for ca, cb in zip(a.components, b.components, strict=True):
-        if ca.kind == "memory":
+        if ca.bound == "memory":
             ta, tb = ca.seconds - ca.launches * launch, cb.seconds - cb.launches * launch
             assert tb == pytest.approx(ta / 2), ca.name
-        elif ca.kind in ("host", "link"):
+        elif ca.bound in ("host", "link"):
             assert cb.seconds == pytest.approx(ca.seconds), ca.name
     assert b.limit_step_s == pytest.approx(a.limit_step_s / 2)
 

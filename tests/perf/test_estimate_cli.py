@@ -8,7 +8,7 @@ import pytest
 from ddtree.commands import estimate as cmd
 from ddtree.perf.estimate import bundled_seed_path, estimate, load
 from ddtree.perf.scenario import ScenarioError, load_scenario
-from ddtree.records import HardwareInfo, Record, write_records
+from ddtree.records import BenchBandwidth, EngineRun, HardwareInfo, write_records
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "seed_kimi_b300.toml"
 
@@ -114,20 +114,16 @@ def _records(tmp_path):
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "vocab_size": 512, "torch_dtype": "float32",
     }  # fmt: skip
-    recs = [Record("bench_bandwidth", hw, {"device": "cpu", "method": "copy"},
-                   {"bytes_per_s": 10e9})]  # fmt: skip
+    recs = [BenchBandwidth(hardware=hw, device="cpu", method="copy", bytes_per_s=10e9)]
     for n, step_ms, tau in ((4, 2.0, 2.0), (8, 2.2, 2.5), (16, 2.6, 3.0)):
         recs.append(
-            Record(
-                "engine_run", hw,
-                {"policy": "ddtree", "block_size": 8, "budget": n, "temperature": 0.0,
-                 "target": {"name": "tiny", "config_json": cfg}, "dtype": "float32",
-                 "device": "cpu", "prompts": {"count": 1, "lengths": [32]},
-                 "max_new_tokens": 32,
-                 "drafter": {"n_params": 50000, "num_layers": 1, "dtype": "float32"}},
-                {"mean_tau": tau, "tokens_per_s": tau / (step_ms * 1e-3),
-                 "step_s_mean": step_ms * 1e-3, "stage_s_mean": {}, "steps": 10,
-                 "new_tokens": 30},
+            EngineRun(
+                hardware=hw, policy="ddtree", block_size=8, budget=n, temperature=0.0,
+                target={"name": "tiny", "config_json": cfg}, dtype="float32", device="cpu",
+                prompt_set={"count": 1, "lengths": [32]}, max_new_tokens=32,
+                drafter={"n_params": 50000, "num_layers": 1, "dtype": "float32"},
+                mean_tau=tau, tokens_per_s=tau / (step_ms * 1e-3), step_s_mean=step_ms * 1e-3,
+                stage_s_mean={}, steps=10, new_tokens=30,
             )
         )  # fmt: skip
     path = tmp_path / "runs.jsonl"
@@ -157,3 +153,20 @@ def test_perf_never_imports_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_cli_warns_in_one_line_and_keeps_the_good_records(tmp_path, capsys):
+    from ddtree.cli import main
+
+    path = _records(tmp_path)
+    lines = path.read_text().splitlines()
+    newer = {**json.loads(lines[1]), "schema": 99}
+    path.write_text("\n".join([*lines, json.dumps(newer), lines[1][:50]]))  # + a cut-off line
+    rc = main(["estimate", "--backtest", str(path), "--json"])
+    out = capsys.readouterr()
+    assert rc == 0 and len(json.loads(out.out)["rows"]) == 3
+    warned = [x for x in out.err.splitlines() if x.startswith("warning: ")]
+    assert len(warned) == 2, out.err
+    assert f"{path}:5: record of schema version 99" in warned[0]
+    assert f"{path}:6: truncated last line" in warned[1]
+    assert "Traceback" not in out.err

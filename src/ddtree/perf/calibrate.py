@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.perf.cost import ParamSpec, moe_layer_s, step_cost
+from ddtree.perf.cost import ParamSpec, moe_layer_s, prefill_cost, step_cost
 from ddtree.perf.scenario import Anchor, MoeAnchor, StageAnchor, StepAnchor
+from ddtree.records import Stage
 
 ANCHOR_SIGMA = 0.01  # relative measurement noise assumed for an anchor
 
@@ -67,9 +68,11 @@ def predict(anchor: Anchor, params: dict) -> tuple[str, float | np.ndarray]:
             anchor.model, anchor.hardware, anchor.m, params, anchor.tp, anchor.curve
         )
     if isinstance(anchor, StageAnchor):
-        cost = step_cost(anchor.model, anchor.point, params, anchor.tau)
-        secs = [c.seconds for c in cost.components if c.name in anchor.components]
-        return f"{anchor.stage}_s", sum(secs) if secs else 0.0
+        if anchor.stage is Stage.PREFILL:
+            cost = prefill_cost(anchor.model, anchor.point, params, anchor.prompt_tokens)
+        else:
+            cost = step_cost(anchor.model, anchor.point, params, anchor.tau)
+        return f"{anchor.stage}_s", cost.stage_s(anchor.stage)
     raise TypeError(type(anchor))
 
 

@@ -14,6 +14,7 @@ from importlib import resources
 from typing import Any
 
 from ddtree.perf.units import BANDWIDTH, BYTES, FLOP_RATE, TIME, Dim, UnitError, parse_quantity
+from ddtree.records import BenchBandwidth
 
 PRECISIONS = ("bf16", "fp8", "fp4")
 
@@ -169,20 +170,20 @@ def this_machine(records: list) -> Hardware | None:
     peak is taken as CPU_THREAD_PEAK_FLOPS (two 256-bit FMA units: 2 x 8 lanes x 2 FLOPs per
     cycle at ~3 GHz), times the threads the benchmark ran with (its cores when not recorded).
     """
-    bw = [r for r in records if r.kind == "bench_bandwidth"]
+    bw = [r for r in records if isinstance(r, BenchBandwidth)]
     if not bw:
         return None
-    best = max(bw, key=lambda r: float(r.summary["bytes_per_s"]))
-    device = str(best.config.get("device", "cpu"))
+    best = max(bw, key=lambda r: r.bytes_per_s)
+    device = best.device
     cores = best.hardware.cpu_cores
-    threads = int(best.config.get("threads") or cores or 1)
+    threads = best.threads or cores or 1
     flops = CPU_THREAD_PEAK_FLOPS * threads
     label = best.hardware.gpu_name if device.startswith("cuda") else best.hardware.cpu_model
     return Hardware(
         key="this-machine",
         name=f"this machine ({label}, {device})",
         memory_bytes=0.0,
-        hbm_bytes_per_s=float(best.summary["bytes_per_s"]),
+        hbm_bytes_per_s=best.bytes_per_s,
         dense_flops={"bf16": flops},
         sparse_flops={},
         interconnect="none (single device)",
@@ -192,7 +193,7 @@ def this_machine(records: list) -> Hardware | None:
         provenance={
             "hbm_bandwidth": Provenance(
                 "measured",
-                f"ddtree bench bandwidth ({best.config.get('method', '?')}, {best.created_utc})",
+                f"ddtree bench bandwidth ({best.method}, {best.created_utc})",
             ),
             "bf16_dense": Provenance(
                 "assumed",

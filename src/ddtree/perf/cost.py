@@ -1,4 +1,4 @@
-"""Per-step cost model: step time as a sum of named components, each with its own scaling rule.
+"""Per-step cost model: step time as a sum of components, one small function per component.
 
 One DDTree step at verify width ``M = N + 1`` and concurrency ``C`` (``T = M * C`` tokens
 through the target), on a TP group of ``tp`` GPUs working in parallel (figures per GPU):
@@ -12,17 +12,26 @@ all-reduces with the interconnect (latency + bytes / link bandwidth), host terms
 overhead, tree build on the CPU) stay constant across GPUs. Weights are read once per step
 for the whole batch; KV reads, FLOPs and host work grow with C.
 
+Every component function returns a ``Component`` tagged with the ``Stage`` the engine times
+it in (``ddtree.records.Stage``), so a measured stage is fitted by exactly the components
+tagged with it. The target forward (``TARGET_FORWARD``) is costed for a ``Forward``: the
+verify (M tokens per request over the cached context) or the prefill (the prompt, no
+context).
+
 Every input may be a float or a numpy array (Monte Carlo samples); outputs broadcast.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 import numpy as np
 
 from ddtree.perf.catalog import Hardware
 from ddtree.perf.model import COMPUTE_PRECISION, PRECISION_BYTES, ModelShape
+from ddtree.records import Stage
 
 # Kernels per layer in one forward, for launch overhead (assumed: an eager PyTorch/SGLang
 # MLA+MoE layer; a fused native engine launches fewer, which its lower launch_s stands for).
@@ -83,6 +92,19 @@ BASE_PARAMS: dict[str, ParamSpec] = {
 }  # fmt: skip
 
 
+# Host-side engine parameters (EngineProfile fields without the ``_s``), with how wide their
+# prior is (factor below and above the default) and what they stand for.
+HOST_PARAMS: dict[str, tuple[float, str]] = {
+    "step_overhead": (3, "host overhead per step"),
+    "launch": (2, "time per kernel launch"),
+    "tree_fixed": (2, "tree build, fixed part"),
+    "tree_per_node": (2, "tree build per draft node"),
+    "layout_fixed": (3, "verify layout (positions + ancestor mask), fixed part"),
+    "layout_per_node": (3, "verify layout per draft node"),
+    "accept_per_node": (3, "acceptance walk over the verified tree, per draft node (host)"),
+}
+
+
 @dataclass(frozen=True)
 class EngineProfile:
     """Host-side behaviour of an engine; every figure is an assumption until calibrated."""
@@ -92,36 +114,23 @@ class EngineProfile:
     launch_s: float  # per kernel launch (eager dispatch; ~graph replay when native)
     tree_fixed_s: float  # per request per step: top-k copy to host + heap setup (or GPU kernel)
     tree_per_node_s: float  # per draft node
+    layout_fixed_s: float = 0.0  # per request per step: positions + ancestor-only mask
+    layout_per_node_s: float = 0.0
     accept_per_node_s: float = 0.0  # host walk over the verified tree, per draft node
+    fit_step_overhead: bool = False  # fitted to anchors by default (the engine anchors ran in)
     about: str = ""
 
     def specs(self) -> dict[str, ParamSpec]:
-        n = self.name
-        return {
-            engine_param(n, "step_overhead"): ParamSpec(
-                engine_param(n, "step_overhead"), self.step_overhead_s,
-                self.step_overhead_s / 3, self.step_overhead_s * 3, "s", n == "python",
-                f"{n} engine: host overhead per step",
-            ),
-            engine_param(n, "launch"): ParamSpec(
-                engine_param(n, "launch"), self.launch_s, self.launch_s / 2,
-                self.launch_s * 2, "s", False, f"{n} engine: time per kernel launch",
-            ),
-            engine_param(n, "tree_fixed"): ParamSpec(
-                engine_param(n, "tree_fixed"), self.tree_fixed_s, self.tree_fixed_s / 2,
-                self.tree_fixed_s * 2, "s", False, f"{n} engine: tree build, fixed part",
-            ),
-            engine_param(n, "tree_per_node"): ParamSpec(
-                engine_param(n, "tree_per_node"), self.tree_per_node_s,
-                self.tree_per_node_s / 2, self.tree_per_node_s * 2, "s", False,
-                f"{n} engine: tree build per draft node",
-            ),
-            engine_param(n, "accept_per_node"): ParamSpec(
-                engine_param(n, "accept_per_node"), self.accept_per_node_s,
-                self.accept_per_node_s / 3, self.accept_per_node_s * 3, "s", False,
-                f"{n} engine: acceptance walk over the verified tree, per draft node (host)",
-            ),
-        }  # fmt: skip
+        out = {}
+        for what, (width, about) in HOST_PARAMS.items():
+            name = engine_param(self.name, what)
+            default = getattr(self, f"{what}_s")
+            fit = self.fit_step_overhead and what == "step_overhead"
+            out[name] = ParamSpec(
+                name, default, default / width, default * width, "s", fit,
+                f"{self.name} engine: {about}",
+            )  # fmt: skip
+        return out
 
 
 ENGINES: dict[str, EngineProfile] = {
@@ -131,7 +140,10 @@ ENGINES: dict[str, EngineProfile] = {
         launch_s=5e-6,
         tree_fixed_s=100e-6,
         tree_per_node_s=3e-6,
+        layout_fixed_s=30e-6,
+        layout_per_node_s=0.3e-6,
         accept_per_node_s=0.2e-6,
+        fit_step_overhead=True,
         about="eager PyTorch/SGLang-style engine: Python dispatch per kernel, tree built on "
         "the CPU (heap ~90 µs at N=32, ~3 µs per node at N=1024: DESIGN.md facts)",
     ),
@@ -141,6 +153,8 @@ ENGINES: dict[str, EngineProfile] = {
         launch_s=1.5e-6,
         tree_fixed_s=15e-6,
         tree_per_node_s=0.05e-6,
+        layout_fixed_s=3e-6,
+        layout_per_node_s=0.01e-6,
         accept_per_node_s=0.01e-6,
         about="native C++/CUDA engine: graph-replayed kernels, tree built on the GPU "
         "(assumed; no anchor)",
@@ -186,14 +200,33 @@ class Point:
         return self.budget + 1
 
 
+@dataclass(frozen=True)
+class Forward:
+    """One target forward: ``width`` new tokens per request over ``context`` cached ones."""
+
+    stage: Stage
+    width: float
+    context: float
+
+
+class Bound(StrEnum):
+    """What a component's time is bound by (and so how it scales to other hardware)."""
+
+    MEMORY = "memory"
+    COMPUTE = "compute"
+    LINK = "link"
+    HOST = "host"
+
+
 @dataclass
 class Component:
     name: str
+    stage: Stage  # the engine stage that times it
     seconds: np.ndarray | float
     hbm_bytes: float  # per GPU
     flops: float  # per GPU
     launches: float
-    kind: str  # "memory" | "compute" | "link" | "host"
+    bound: Bound
     rule: str  # how it scales to other hardware
     formula: str
 
@@ -212,30 +245,12 @@ class StepCost:
                 return c
         raise KeyError(name)
 
+    def stage_s(self, stage: Stage):
+        """Seconds of the components the engine times as ``stage`` (0 when there are none)."""
+        return sum((c.seconds for c in self.components if c.stage is stage), 0.0)
+
 
 EFFICIENCIES = ("moe_efficiency", "weights_efficiency", "compute_efficiency")
-# Host-side engine parameters a measured device gets its own copy of, fitted to its stage
-# timings (on a CPU a "kernel launch" is one eager op's dispatch, tens of µs, not a GPU launch).
-HOST_PARAMS = ("launch", "step_overhead", "tree_fixed", "tree_per_node", "accept_per_node")
-# The target-forward components (what the engine's ``verify`` stage and a prefill time).
-TARGET_FORWARD = (
-    "attention (weights + KV)",
-    "routed MoE",
-    "shared experts",
-    "dense MLP layers",
-    "LM head over M",
-    "TP all-reduce",
-)
-# engine stage (``ddtree.engine.timing``) -> the components that stand for it
-STAGE_COMPONENTS: dict[str, tuple[str, ...]] = {
-    "draft": ("drafter forward",),
-    "topk": ("top-k over (B-1) x V",),
-    "build": ("tree build",),
-    "verify": TARGET_FORWARD,
-    "accept": ("accept", "accept walk"),
-    "commit": ("KV commit",),
-    "other": ("framework overhead",),
-}
 
 
 def param_for(params: dict, name: str, hw: Hardware):
@@ -312,12 +327,264 @@ def routed_moe_layer(model: ModelShape, tokens, tp: int, curve=None) -> tuple[fl
     return nbytes, flops, COMPUTE_PRECISION[model.precision["routed_experts"]]
 
 
+def _work_s(hw: Hardware, nbytes, flops, precision: str, mem_eff, cmp_eff):
+    """(seconds, bound) of device work: bytes at mem_eff x HBM bw, FLOPs at cmp_eff x peak."""
+    mem_s = nbytes / (hw.hbm_bytes_per_s * mem_eff)
+    cmp_s = flops / (hw.peak_flops(precision) * cmp_eff)
+    secs = np.maximum(mem_s, cmp_s) if hw.overlaps_memory_and_compute else mem_s + cmp_s
+    bound = Bound.COMPUTE if np.all(np.asarray(cmp_s) > np.asarray(mem_s)) else Bound.MEMORY
+    return secs, bound
+
+
 def moe_layer_s(model: ModelShape, hw: Hardware, m, params: dict, tp: int = 1, curve=None):
     """Kernel time of one routed-MoE layer at M tokens (what ``bench moe`` measures)."""
     nbytes, flops, prec = routed_moe_layer(model, m, tp, curve)
-    mem_s = nbytes / (hw.hbm_bytes_per_s * param_for(params, "moe_efficiency", hw))
-    cmp_s = flops / (hw.peak_flops(prec) * param_for(params, "compute_efficiency", hw))
-    return np.maximum(mem_s, cmp_s) if hw.overlaps_memory_and_compute else mem_s + cmp_s
+    eff = param_for(params, "moe_efficiency", hw), param_for(params, "compute_efficiency", hw)
+    return _work_s(hw, nbytes, flops, prec, *eff)[0]
+
+
+_DEVICE_RULE = "1 / HBM bandwidth (memory-bound) or 1 / dense FLOP/s (compute-bound)"
+
+
+def _device(
+    name: str,
+    stage: Stage,
+    pt: Point,
+    params: dict,
+    nbytes,
+    flops,
+    precision: str,
+    launches: float,
+    formula: str,
+    efficiency: str = "weights_efficiency",
+) -> Component:
+    """A device component: its work at the fitted efficiencies plus its kernel launches."""
+    hw = pt.hardware
+    secs, bound = _work_s(
+        hw, nbytes, flops, precision, param_for(params, efficiency, hw),
+        param_for(params, "compute_efficiency", hw),
+    )  # fmt: skip
+    secs = secs + launches * engine_value(params, pt.engine, "launch", hw)
+    return Component(name, stage, secs, float(np.mean(nbytes)), float(np.mean(flops)),
+                     launches, bound, _DEVICE_RULE, formula)  # fmt: skip
+
+
+def _host(name: str, stage: Stage, pt: Point, seconds, formula: str) -> Component:
+    return Component(
+        name, stage, seconds, 0.0, 0.0, 0.0, Bound.HOST,
+        f"{pt.engine} engine: constant across GPUs", formula,
+    )  # fmt: skip
+
+
+def _kv_shard(model: ModelShape, tp: int) -> int:
+    # the MLA latent is replicated across TP ranks; GQA KV heads are split
+    return 1 if model.attention == "mla" else min(tp, model.num_kv_heads)
+
+
+# ---- the target forward -------------------------------------------------------------------
+
+
+def attention(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component:
+    """Attention weights once, KV over the context per request; every query scores the
+    context and the ``width`` new keys (the tree mask is dense ``[M, S + M]``)."""
+    L, C, tp = model.num_layers, pt.concurrency, pt.tp
+    T = fwd.width * C
+    weights = L * model.attention_params_per_layer * model.bytes_per_param("attention") / tp
+    kv = C * L * fwd.context * model.kv_bytes_per_token_layer() / _kv_shard(model, tp)
+    flops = 2.0 * T * L * model.attention_params_per_layer / tp + (
+        T * L * (fwd.context + fwd.width) * model.attention_flops_per_query_key() / tp
+    )
+    return _device(
+        "attention (weights + KV)", fwd.stage, pt, params, weights + kv, flops,
+        COMPUTE_PRECISION[model.precision["attention"]], L * KERNELS["attention"],
+        "L x attn params x bytes/param / TP + C x L x context x KV bytes/token "
+        "(FLOPs 2 x M x C x L x attn params + M x C x L x (context + M) x FLOPs/query-key)",
+    )  # fmt: skip
+
+
+def routed_moe(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
+    Lm = model.num_moe_layers
+    if not Lm:
+        return None
+    nbytes, flops, prec = routed_moe_layer(model, fwd.width * pt.concurrency, pt.tp,
+                                           pt.experts_curve)  # fmt: skip
+    return _device(
+        "routed MoE", fwd.stage, pt, params, Lm * nbytes, Lm * flops, prec,
+        Lm * KERNELS["routed_moe"],
+        "L_moe x E(1-(1-k/E)^(M*C)) x expert params x bytes/param / TP"
+        + (" [measured experts curve]" if pt.experts_curve else ""),
+        efficiency="moe_efficiency",
+    )  # fmt: skip
+
+
+def shared_experts(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
+    Lm = model.num_moe_layers
+    if not Lm or not model.n_shared_experts:
+        return None
+    sp = model.n_shared_experts * model.expert_params
+    return _device(
+        "shared experts", fwd.stage, pt, params,
+        Lm * sp * model.bytes_per_param("shared_experts") / pt.tp,
+        2.0 * fwd.width * pt.concurrency * Lm * sp / pt.tp,
+        COMPUTE_PRECISION[model.precision["shared_experts"]], Lm * KERNELS["shared_experts"],
+        "L_moe x shared x expert params x bytes/param / TP",
+    )  # fmt: skip
+
+
+def dense_mlp(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
+    Ld = model.num_dense_layers
+    if not Ld:
+        return None
+    return _device(
+        "dense MLP layers", fwd.stage, pt, params,
+        Ld * model.dense_mlp_params * model.bytes_per_param("dense_mlp") / pt.tp,
+        2.0 * fwd.width * pt.concurrency * Ld * model.dense_mlp_params / pt.tp,
+        COMPUTE_PRECISION[model.precision["dense_mlp"]], Ld * KERNELS["dense_mlp"],
+        "L_dense x 3 x hidden x intermediate x bytes/param / TP",
+    )  # fmt: skip
+
+
+def lm_head(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component:
+    return _device(
+        "LM head over M", fwd.stage, pt, params,
+        model.lm_head_params * model.bytes_per_param("lm_head") / pt.tp,
+        2.0 * fwd.width * pt.concurrency * model.lm_head_params / pt.tp,
+        COMPUTE_PRECISION[model.precision["lm_head"]], KERNELS["lm_head"],
+        "vocab x hidden x bytes/param / TP (FLOPs 2 x M x C x vocab x hidden / TP)",
+    )  # fmt: skip
+
+
+def tp_allreduce(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
+    """Two all-reduces per layer (after attention, after the MLP) of the bf16 activations."""
+    if pt.tp <= 1:
+        return None
+    hw = pt.hardware
+    ar_bytes = fwd.width * pt.concurrency * model.hidden_size * 2.0
+    link = hw.link_bytes_per_s or 1e30
+    per = hw.allreduce_latency_s * params[f"allreduce_scale.{link_class(hw)}"] + 2.0 * (
+        pt.tp - 1
+    ) / pt.tp * (ar_bytes / link)
+    return Component(
+        "TP all-reduce", fwd.stage, 2 * model.num_layers * per, 0.0, 0.0, 0.0, Bound.LINK,
+        f"interconnect ({hw.interconnect or 'unknown'}): latency + bytes / link bandwidth",
+        "2 x L x (latency + 2(TP-1)/TP x M x C x hidden x 2 B / link bw)",
+    )  # fmt: skip
+
+
+TARGET_FORWARD: tuple[Callable[..., Component | None], ...] = (
+    attention,
+    routed_moe,
+    shared_experts,
+    dense_mlp,
+    lm_head,
+    tp_allreduce,
+)
+
+
+def target_forward(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> list[Component]:
+    """The target forward's components, tagged ``fwd.stage``."""
+    return [c for fn in TARGET_FORWARD if (c := fn(model, pt, params, fwd)) is not None]
+
+
+# ---- the rest of a step -------------------------------------------------------------------
+
+
+def drafter_forward(model: ModelShape, pt: Point, params: dict) -> Component | None:
+    """The drafter over the block (B slots), plus the target's LM head over B-1 slots."""
+    d = pt.drafter
+    if d is None:
+        return None
+    C, B, tp = pt.concurrency, pt.block_size, pt.tp
+    nbytes = d.params * PRECISION_BYTES[d.precision] / tp + C * pt.context_tokens * (
+        d.kv_bytes_per_token / tp
+    )
+    flops = 2.0 * C * B * d.params / tp
+    launches = d.layers * KERNELS["drafter_layer"]
+    if d.shares_target_lm_head:
+        nbytes = nbytes + model.lm_head_params * model.bytes_per_param("lm_head") / tp
+        flops = flops + 2.0 * C * (B - 1) * model.lm_head_params / tp
+        launches += KERNELS["lm_head"]
+    return _device(
+        "drafter forward", Stage.DRAFT, pt, params, nbytes, flops,
+        COMPUTE_PRECISION[d.precision], launches,
+        "drafter params x bytes/param / TP + target LM head over B-1 slots",
+    )  # fmt: skip
+
+
+def topk(model: ModelShape, pt: Point, params: dict) -> Component:
+    """Top-k over the (B-1) x V drafter logits (float32), on the GPU."""
+    return _device(
+        "top-k over (B-1) x V", Stage.TOPK, pt, params,
+        pt.concurrency * (pt.block_size - 1) * model.vocab_size * 4.0, 0.0, "bf16",
+        KERNELS["topk"], "C x (B-1) x vocab x 4 B / HBM bw",
+    )  # fmt: skip
+
+
+def tree_build(pt: Point, params: dict) -> Component:
+    fixed = engine_value(params, pt.engine, "tree_fixed", pt.hardware)
+    per_node = engine_value(params, pt.engine, "tree_per_node", pt.hardware)
+    return _host(
+        "tree build", Stage.BUILD, pt, pt.concurrency * (fixed + pt.budget * per_node),
+        "C x (fixed + N x per node)",
+    )  # fmt: skip
+
+
+def verify_layout(pt: Point, params: dict) -> Component:
+    fixed = engine_value(params, pt.engine, "layout_fixed", pt.hardware)
+    per_node = engine_value(params, pt.engine, "layout_per_node", pt.hardware)
+    return _host(
+        "verify layout", Stage.LAYOUT, pt, pt.concurrency * (fixed + pt.budget * per_node),
+        "C x (fixed + N x per node): positions and the ancestor-only mask",
+    )  # fmt: skip
+
+
+def accept(model: ModelShape, pt: Point, params: dict) -> Component:
+    return _device(
+        "accept", Stage.ACCEPT, pt, params,
+        pt.concurrency * pt.concurrency * pt.verify_width * 4.0, 0.0, "bf16", KERNELS["accept"],
+        "argmax / compare over the tree, a few kernels",
+    )  # fmt: skip
+
+
+def accept_walk(pt: Point, params: dict) -> Component:
+    per_node = engine_value(params, pt.engine, "accept_per_node", pt.hardware)
+    return _host(
+        "accept walk", Stage.ACCEPT, pt, pt.concurrency * pt.budget * per_node,
+        "C x N x per node (the accepted path is walked on the host)",
+    )  # fmt: skip
+
+
+def kv_commit(model: ModelShape, pt: Point, params: dict, tau) -> Component:
+    """Keep the accepted path's KV entries: read + write tau tokens per layer."""
+    tau_v = 0.0 if tau is None else np.asarray(tau)
+    return _device(
+        "KV commit", Stage.COMMIT, pt, params,
+        pt.concurrency * tau_v * model.num_layers * model.kv_bytes_per_token_layer() * 2.0
+        / _kv_shard(model, pt.tp),
+        0.0, "bf16", model.num_layers * KERNELS["commit_per_layer"],
+        "C x tau x L x KV bytes/token x 2 (read + write), one kernel per layer",
+    )  # fmt: skip
+
+
+def framework_overhead(pt: Point, params: dict) -> Component:
+    return _host(
+        "framework overhead", Stage.OTHER, pt,
+        engine_value(params, pt.engine, "step_overhead", pt.hardware),
+        f"{pt.engine} engine step overhead",
+    )  # fmt: skip
+
+
+def _total(pt: Point, comps: list[Component]) -> StepCost:
+    step_s = sum(c.seconds for c in comps)
+    hbm = sum(c.hbm_bytes for c in comps)
+    return StepCost(pt, comps, step_s, hbm, hbm / pt.hardware.hbm_bytes_per_s)
+
+
+def _check(pt: Point) -> None:
+    if pt.tp < 1 or pt.concurrency < 1:
+        raise ValueError(
+            f"tp and concurrency must be >= 1, got tp={pt.tp}, concurrency={pt.concurrency}"
+        )
 
 
 def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
@@ -325,208 +592,26 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
 
     ``tau`` only enters the KV commit (bytes moved per accepted token); it may be None (0).
     """
-    hw, tp, C = pt.hardware, pt.tp, pt.concurrency
-    if tp < 1 or C < 1:
-        raise ValueError(f"tp and concurrency must be >= 1, got tp={tp}, concurrency={C}")
-    eng = pt.engine
-    launch_s = engine_value(params, eng, "launch", hw)
-    mem_bw, mem_eff, cmp_eff = (
-        hw.hbm_bytes_per_s,
-        param_for(params, "weights_efficiency", hw),
-        param_for(params, "compute_efficiency", hw),
-    )
-    M = pt.verify_width
-    T = M * C
-    L, H, V = model.num_layers, model.hidden_size, model.vocab_size
-    comps: list[Component] = []
-    bw_rule = "1 / HBM bandwidth (memory-bound) or 1 / dense FLOP/s (compute-bound)"
+    _check(pt)
+    verify = Forward(Stage.VERIFY, pt.verify_width, pt.context_tokens)
+    comps = target_forward(model, pt, params, verify)
+    rest = [
+        drafter_forward(model, pt, params),
+        topk(model, pt, params),
+        tree_build(pt, params),
+        verify_layout(pt, params),
+        accept(model, pt, params),
+        accept_walk(pt, params),
+        kv_commit(model, pt, params, tau),
+        framework_overhead(pt, params),
+    ]
+    return _total(pt, comps + [c for c in rest if c is not None])
 
-    def device(name, nbytes, flops, prec, launches, eff, formula):
-        mem_s = nbytes / (mem_bw * eff)
-        cmp_s = flops / (hw.peak_flops(prec) * cmp_eff)
-        work_s = np.maximum(mem_s, cmp_s) if hw.overlaps_memory_and_compute else mem_s + cmp_s
-        secs = work_s + launches * launch_s
-        kind = "compute" if np.all(np.asarray(cmp_s) > np.asarray(mem_s)) else "memory"
-        comps.append(Component(name, secs, float(np.mean(nbytes)), float(np.mean(flops)),
-                               launches, kind, bw_rule, formula))  # fmt: skip
 
-    # attention: weights once, KV over the context per request (MLA latent is replicated
-    # across TP ranks; GQA KV heads are split)
-    kv_shard = 1 if model.attention == "mla" else min(tp, model.num_kv_heads)
-    attn_w = L * model.attention_params_per_layer * model.bytes_per_param("attention") / tp
-    kv = C * L * pt.context_tokens * model.kv_bytes_per_token_layer() / kv_shard
-    # every query scores the context and the M new keys (the tree mask is dense [M, S + M])
-    attn_f = 2.0 * T * L * model.attention_params_per_layer / tp + (
-        T * L * (pt.context_tokens + M) * model.attention_flops_per_query_key() / tp
-    )
-    device(
-        "attention (weights + KV)",
-        attn_w + kv,
-        attn_f,
-        COMPUTE_PRECISION[model.precision["attention"]],
-        L * KERNELS["attention"],
-        mem_eff,
-        "L x attn params x bytes/param / TP + C x L x context x KV bytes/token "
-        "(FLOPs 2 x M x C x L x attn params + M x C x L x (context + M) x FLOPs/query-key)",
-    )
-    Lm = model.num_moe_layers
-    if Lm:
-        nbytes, flops, prec = routed_moe_layer(model, T, tp, pt.experts_curve)
-        device(
-            "routed MoE",
-            Lm * nbytes,
-            Lm * flops,
-            prec,
-            Lm * KERNELS["routed_moe"],
-            param_for(params, "moe_efficiency", hw),
-            "L_moe x E(1-(1-k/E)^(M*C)) x expert params x bytes/param / TP"
-            + (" [measured experts curve]" if pt.experts_curve else ""),
-        )
-        if model.n_shared_experts:
-            sp = model.n_shared_experts * model.expert_params
-            device(
-                "shared experts",
-                Lm * sp * model.bytes_per_param("shared_experts") / tp,
-                2.0 * T * Lm * sp / tp,
-                COMPUTE_PRECISION[model.precision["shared_experts"]],
-                Lm * KERNELS["shared_experts"],
-                mem_eff,
-                "L_moe x shared x expert params x bytes/param / TP",
-            )
-    Ld = model.num_dense_layers
-    if Ld:
-        device(
-            "dense MLP layers",
-            Ld * model.dense_mlp_params * model.bytes_per_param("dense_mlp") / tp,
-            2.0 * T * Ld * model.dense_mlp_params / tp,
-            COMPUTE_PRECISION[model.precision["dense_mlp"]],
-            Ld * KERNELS["dense_mlp"],
-            mem_eff,
-            "L_dense x 3 x hidden x intermediate x bytes/param / TP",
-        )
-    device(
-        "LM head over M",
-        model.lm_head_params * model.bytes_per_param("lm_head") / tp,
-        2.0 * T * model.lm_head_params / tp,
-        COMPUTE_PRECISION[model.precision["lm_head"]],
-        KERNELS["lm_head"],
-        mem_eff,
-        "vocab x hidden x bytes/param / TP (FLOPs 2 x M x C x vocab x hidden / TP)",
-    )
-    # tensor-parallel all-reduces: two per layer (after attention, after the MLP)
-    if tp > 1:
-        ar_bytes = T * H * 2.0  # bf16 activations
-        n_ar = 2 * L
-        link = hw.link_bytes_per_s or 1e30
-        per = hw.allreduce_latency_s * params[f"allreduce_scale.{link_class(hw)}"] + 2.0 * (
-            tp - 1
-        ) / tp * (ar_bytes / link)
-        comps.append(
-            Component(
-                "TP all-reduce",
-                n_ar * per,
-                0.0,
-                0.0,
-                0.0,
-                "link",
-                f"interconnect ({hw.interconnect or 'unknown'}): latency + bytes / link bandwidth",
-                "2 x L x (latency + 2(TP-1)/TP x M x C x hidden x 2 B / link bw)",
-            )
-        )
-    # drafter forward over the block
-    B = pt.block_size
-    d = pt.drafter
-    if d is not None:
-        dbytes = d.params * PRECISION_BYTES[d.precision] / tp + C * pt.context_tokens * (
-            d.kv_bytes_per_token / tp
-        )
-        dflops = 2.0 * C * B * d.params / tp
-        launches = d.layers * KERNELS["drafter_layer"]
-        if d.shares_target_lm_head:
-            dbytes = dbytes + model.lm_head_params * model.bytes_per_param("lm_head") / tp
-            dflops = dflops + 2.0 * C * (B - 1) * model.lm_head_params / tp
-            launches += KERNELS["lm_head"]
-        device(
-            "drafter forward",
-            dbytes,
-            dflops,
-            COMPUTE_PRECISION[d.precision],
-            launches,
-            mem_eff,
-            "drafter params x bytes/param / TP + target LM head over B-1 slots",
-        )
-    # top-k over the (B-1) x V drafter logits (float32), on the GPU
-    device(
-        "top-k over (B-1) x V",
-        C * (B - 1) * V * 4.0,
-        0.0,
-        "bf16",
-        KERNELS["topk"],
-        mem_eff,
-        "C x (B-1) x vocab x 4 B / HBM bw",
-    )
-    comps.append(
-        Component(
-            "tree build",
-            C
-            * (
-                engine_value(params, eng, "tree_fixed", hw)
-                + pt.budget * engine_value(params, eng, "tree_per_node", hw)
-            ),
-            0.0,
-            0.0,
-            0.0,
-            "host",
-            f"{eng} engine: constant across GPUs (CPU heap or one GPU kernel)",
-            "C x (fixed + N x per node)",
-        )
-    )
-    tau_v = 0.0 if tau is None else tau
-    device(
-        "accept",
-        C * T * 4.0,
-        0.0,
-        "bf16",
-        KERNELS["accept"],
-        mem_eff,
-        "argmax / compare over the tree, a few kernels",
-    )
-    comps.append(
-        Component(
-            "accept walk",
-            C * pt.budget * engine_value(params, eng, "accept_per_node", hw),
-            0.0,
-            0.0,
-            0.0,
-            "host",
-            f"{eng} engine: constant across GPUs (the accepted path is walked on the host)",
-            "C x N x per node",
-        )
-    )
-    device(
-        "KV commit",
-        C * np.asarray(tau_v) * L * model.kv_bytes_per_token_layer() * 2.0 / kv_shard,
-        0.0,
-        "bf16",
-        L * KERNELS["commit_per_layer"],
-        mem_eff,
-        "C x tau x L x KV bytes/token x 2 (read + write), one kernel per layer",
-    )
-    comps.append(
-        Component(
-            "framework overhead",
-            engine_value(params, eng, "step_overhead", hw) + 0.0 * np.asarray(tau_v),
-            0.0,
-            0.0,
-            0.0,
-            "host",
-            "constant across GPUs unless the scenario says otherwise",
-            f"{eng} engine step overhead",
-        )
-    )
-    step_s = sum(c.seconds for c in comps)
-    hbm = sum(c.hbm_bytes for c in comps)
-    return StepCost(pt, comps, step_s, hbm, hbm / mem_bw)
+def prefill_cost(model: ModelShape, pt: Point, params: dict, prompt_tokens: float) -> StepCost:
+    """The target forward over a prompt of ``prompt_tokens`` per request (no cached context)."""
+    _check(pt)
+    return _total(pt, target_forward(model, pt, params, Forward(Stage.PREFILL, prompt_tokens, 0)))
 
 
 def tokens_per_s(cost: StepCost, tau):
@@ -558,7 +643,7 @@ def amdahl(cost: StepCost, params: dict, tau: float) -> Amdahl:
     over = float(
         np.median(
             np.asarray(
-                sum(c.seconds for c in cost.components if c.kind in ("host", "link"))
+                sum(c.seconds for c in cost.components if c.bound in (Bound.HOST, Bound.LINK))
                 + launches * launch_s
             )
         )

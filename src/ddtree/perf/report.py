@@ -99,7 +99,7 @@ def table(est: Estimate, console) -> None:
         step = float(r.point.step_s)
         for comp in r.point.components:
             s = float(comp.seconds)
-            t.add_row(comp.name, _ms(s), f"{s / step:.0%}", comp.kind)
+            t.add_row(comp.name, _ms(s), f"{s / step:.0%}", comp.bound)
         t.add_row("[bold]step (point estimate)[/bold]", f"[bold]{_ms(step)}[/bold]", "", "")
         console.print(t)
         console.print(

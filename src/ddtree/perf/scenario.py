@@ -14,8 +14,17 @@ from typing import Any
 
 from ddtree.perf import units as u
 from ddtree.perf.catalog import CatalogError, Hardware, hardware_from_dict, load_catalog
-from ddtree.perf.cost import ENGINES, Drafter, EngineProfile, ParamSpec, Point, default_params
+from ddtree.perf.cost import (
+    ENGINES,
+    HOST_PARAMS,
+    Drafter,
+    EngineProfile,
+    ParamSpec,
+    Point,
+    default_params,
+)
 from ddtree.perf.model import PRECISION_BYTES, ModelError, ModelShape, load_model
+from ddtree.records import Stage
 
 
 class ScenarioError(ValueError):
@@ -70,20 +79,20 @@ class MoeAnchor:
 
 @dataclass
 class StageAnchor:
-    """A measured stage of an engine run (``summary.stage_s_mean``): the cost-model components
-    that stand for it (``cost.STAGE_COMPONENTS``) at the run's configuration. ``run`` names the
-    run's step anchor, so a backtest holds a run's stages out together with it. A prefill is a
-    stage too: the target forward over the prompt (``point`` at budget T - 1, context 0)."""
+    """A measured stage of an engine run (``summary.stage_s_mean``), fitted by the cost-model
+    components tagged with that ``Stage`` at the run's configuration. ``run`` names the run's
+    step anchor, so a backtest holds a run's stages out together with it. The prefill is a
+    stage too: the target forward over ``prompt_tokens`` (mean prompt length), no context."""
 
     name: str
     run: str
-    stage: str
-    components: tuple[str, ...]
+    stage: Stage
     model: ModelShape
     point: Point
     tau: float
     seconds: float
     source: str
+    prompt_tokens: float = 0.0
 
 
 Anchor = StepAnchor | MoeAnchor | StageAnchor
@@ -289,19 +298,17 @@ def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> Scenario
     engines = dict(ENGINES)
     for name, entry in (data.get("engine") or {}).items():
         w = f"{where}: engine.{name}"
-        times = ("step_overhead", "launch", "tree_fixed", "tree_per_node", "accept_per_node")
-        _check_keys(entry, {*times, "about"}, w)
+        _check_keys(entry, {*HOST_PARAMS, "about"}, w)
         base = engines.get(name, ENGINES["python"])
-        engines[name] = EngineProfile(
-            name,
-            *(
-                u.parse_quantity(entry[f], u.TIME, f"{w}.{f}")
-                if f in entry
-                else getattr(base, f"{f}_s")
-                for f in times
-            ),
-            about=str(entry.get("about", base.about)),
-        )
+        times = {
+            f"{f}_s": u.parse_quantity(entry[f], u.TIME, f"{w}.{f}")
+            for f in HOST_PARAMS
+            if f in entry
+        }
+        engines[name] = replace(
+            base, name=name, about=str(entry.get("about", base.about)),
+            fit_step_overhead=base.fit_step_overhead and name in engines, **times,
+        )  # fmt: skip
     specs = default_params(engines)
     fixed, ranges = {}, {}
     for name, raw in (data.get("parameters") or {}).items():
