@@ -87,8 +87,9 @@ class ScriptedDrafter:
         return logits
 
 
-def tiny_hf_target(kind: str, seed: int = 0):
-    """A random transformers model (Qwen3, Llama or DeepseekV3) behind ``HFTarget``."""
+def tiny_hf_target(kind: str, seed: int = 0, dtype=None, **overrides):
+    """A random transformers model (Qwen3, Llama or DeepseekV3) behind ``HFTarget``;
+    ``overrides`` change the Qwen3/Llama config (vocab_size, hidden_size, ...)."""
     import transformers
 
     from ddtree.models.hf import HFTarget
@@ -103,8 +104,12 @@ def tiny_hf_target(kind: str, seed: int = 0):
         initializer_range=0.5,
         tie_word_embeddings=False,
     )
+    common.update(overrides)
+    head_dim = common["hidden_size"] // common["num_attention_heads"]
     configs = {
-        "qwen3": lambda: transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=8),
+        "qwen3": lambda: transformers.Qwen3Config(
+            **common, num_key_value_heads=2, head_dim=head_dim
+        ),
         "llama": lambda: transformers.LlamaConfig(**common, num_key_value_heads=2),
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
             **{k: v for k, v in TINY.items() if k not in ("architectures", "model_type")},
@@ -119,4 +124,53 @@ def tiny_hf_target(kind: str, seed: int = 0):
     torch.manual_seed(seed)
     cfg = configs[kind]()
     cfg._attn_implementation = "sdpa"
-    return HFTarget(classes[kind](cfg).eval(), name=f"tiny-{kind}")
+    model = classes[kind](cfg).eval()
+    return HFTarget(model if dtype is None else model.to(dtype), name=f"tiny-{kind}")
+
+
+def random_dflash_drafter(
+    target, block: int, seed: int = 0, layers: int = 1, target_layer_ids=(0, 1), mask_token_id=None
+):
+    """A random DFlash drafter on ``target``'s embedding and LM head, in the target's dtype.
+    The weights depend on ``seed`` (and the shapes) only, not on ``block``."""
+    from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+
+    info = target.info
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": info.hidden_size,
+        "intermediate_size": info.hidden_size * 3 // 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": info.hidden_size // 4,
+        "vocab_size": info.vocab_size,
+        "rope_theta": 10000.0,
+        "block_size": block,
+        "dflash_config": {
+            "mask_token_id": info.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            "target_layer_ids": list(target_layer_ids),
+        },
+    }
+    torch.manual_seed(seed)
+    model = DFlashModel(DFlashConfig.from_dict(raw)).to(getattr(torch, info.dtype))
+    return DFlashDrafter(model, target.embed_tokens, target.lm_head)
+
+
+def transformers_greedy(model, prompts: torch.Tensor, max_new_tokens: int, eos_token_ids=()):
+    """transformers' own greedy ``generate`` of prompts [P, T] int64 (one batch, equal
+    lengths, no padding): per prompt the new tokens, ending at the first EOS if one came."""
+    import transformers
+
+    config = transformers.GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(eos_token_ids) or None,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    with torch.inference_mode():
+        out = model.generate(prompts, generation_config=config)[:, prompts.shape[1] :].tolist()
+    eos = set(eos_token_ids)
+    cut = [next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) for row in out]
+    return [row[:n] for row, n in zip(out, cut, strict=True)]

@@ -14,7 +14,7 @@ from ddtree.engine import ContextLengthError, DecodeConfig, engine_run_record, g
 from ddtree.records import STEP_STAGES, read_records, write_records
 from ddtree.tree import process_logits
 
-from .helpers import ScriptedDrafter, tiny_hf_target, tiny_mla_target
+from .helpers import ScriptedDrafter, random_dflash_drafter, tiny_hf_target, tiny_mla_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]]
 
@@ -220,25 +220,7 @@ def test_greedy_lossless_on_hugging_face_targets(kind):
 
 @pytest.mark.parametrize("block", [4, 8, 16])
 def test_greedy_lossless_with_a_random_dflash_drafter(target, block):
-    from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
-
-    raw = {
-        "architectures": ["DFlashDraftModel"],
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "vocab_size": 61,
-        "rope_theta": 10000.0,
-        "block_size": block,
-        "dflash_config": {"mask_token_id": 60, "target_layer_ids": [0, 1]},
-    }
-    torch.manual_seed(block)
-    drafter = DFlashDrafter(
-        DFlashModel(DFlashConfig.from_dict(raw)), target.embed_tokens, target.lm_head
-    )
+    drafter = random_dflash_drafter(target, block, seed=block, mask_token_id=60)
     for prompt in PROMPTS:
         ar = _ar(target, prompt, n=24)
         for policy, budget in (("chain", 0), ("ddtree", 4), ("ddtree", 32)):
