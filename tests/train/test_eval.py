@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import torch
+from tests.engine.helpers import random_dflash_drafter, tiny_hf_target, transformers_greedy
 
 from ddtree.engine import DecodeConfig, generate
 from ddtree.train.eval import greedy_acceptance
-from tests.engine.helpers import random_dflash_drafter, tiny_hf_target, transformers_greedy
 
 
 def test_greedy_acceptance_decodes_as_transformers_and_reports_the_engines_taus():
