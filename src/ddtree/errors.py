@@ -3,3 +3,8 @@
 
 class NonFiniteLogitsError(RuntimeError):
     """A model produced NaN or inf logits; decoding stops instead of emitting garbage."""
+
+
+class DistributedError(RuntimeError):
+    """A tensor/expert-parallel group failed: a rank died, stalled past the collective timeout,
+    could not join, or disagrees with rank 0. The message names the ranks and why."""

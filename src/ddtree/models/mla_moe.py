@@ -23,6 +23,7 @@ query and ``W_UV`` after the attention: a few matmuls against the latent rows).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,6 +211,43 @@ def _rope_from_hf(cfg: dict, source: str) -> tuple[float, dict]:
     return float(theta), params
 
 
+@dataclass(frozen=True)
+class ModelShard:
+    """The slice of the model one rank of a tensor/expert-parallel group holds.
+
+    Attention heads and the dense and shared MLP intermediates are split across ranks (column
+    split in, row split out); routed experts are split by intermediate (TP) and/or by expert
+    (EP: ``first_expert .. first_expert + n_experts - 1``). Each sublayer then returns a
+    partial sum of its output that ``reduce`` (an all-reduce over the group) completes: two
+    reductions per decoder layer. ``lm_head`` False: this rank computes no logits.
+    ``ModelShard.whole(config)`` is the single-process model.
+    """
+
+    heads: int
+    dense_intermediate: int
+    shared_intermediate: int
+    first_expert: int
+    n_experts: int
+    expert_intermediate: int
+    lm_head: bool = True
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @classmethod
+    def whole(cls, config: MlaMoeConfig) -> ModelShard:
+        return cls(
+            heads=config.num_attention_heads,
+            dense_intermediate=config.intermediate_size,
+            shared_intermediate=config.moe_intermediate_size * config.n_shared_experts,
+            first_expert=0,
+            n_experts=config.n_routed_experts,
+            expert_intermediate=config.moe_intermediate_size,
+        )
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def rope_inv_freq(config: MlaMoeConfig) -> torch.Tensor:
     """[rope_dim // 2] float32 inverse frequencies (plain, or YaRN-blended as transformers)."""
     dim, base = config.qk_rope_head_dim, config.rope_theta
@@ -347,11 +385,16 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as fused 3D parameters (transformers' layout)."""
+    """Routed experts as fused 3D parameters (transformers' layout). ``n_experts`` and
+    ``intermediate`` default to the config's (a parallel rank holds fewer or narrower ones)."""
 
-    def __init__(self, config: MlaMoeConfig) -> None:
+    def __init__(
+        self, config: MlaMoeConfig, n_experts: int | None = None, intermediate: int | None = None
+    ) -> None:
         super().__init__()
-        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        e = config.n_routed_experts if n_experts is None else n_experts
+        i = config.moe_intermediate_size if intermediate is None else intermediate
+        h = config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
 
@@ -377,25 +420,44 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: MlaMoeConfig) -> None:
+    def __init__(self, config: MlaMoeConfig, shard: ModelShard | None = None) -> None:
         super().__init__()
+        shard = shard or ModelShard.whole(config)
         self.gate = Router(config)
-        self.experts = Experts(config)
-        shared = config.moe_intermediate_size * config.n_shared_experts
-        self.shared_experts = MLP(config.hidden_size, shared)
+        self.experts = Experts(config, shard.n_experts, shard.expert_intermediate)
+        self.shared_experts = MLP(config.hidden_size, shard.shared_intermediate)
+        self.first_expert = shard.first_expert
+        self.all_experts = shard.n_experts == config.n_routed_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        if self.all_experts:
+            routed = self.experts(x, weights, ids)
+        else:
+            routed = self._local_experts(x, weights, ids)
+        return routed + self.shared_experts(x)
+
+    def _local_experts(self, x, weights, ids) -> torch.Tensor:
+        """Expert parallel: the slots routed to this rank's experts, [M, H] (zero rows for
+        tokens routed elsewhere; the other ranks' partial sums add the rest)."""
+        k, n = ids.shape[1], self.experts.gate_up_proj.shape[0]
+        local = ids.reshape(-1) - self.first_expert  # [M*k] index among this rank's experts
+        slots = ((local >= 0) & (local < n)).nonzero().squeeze(1)  # [S]
+        tokens = slots // k
+        y = self.experts(x[tokens], weights.reshape(-1)[slots, None], local[slots, None])
+        return torch.zeros_like(x).index_add_(0, tokens, y)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: MlaMoeConfig, attn_impl: str) -> None:
+    """MLA over ``heads`` query heads (default all; a TP rank holds a slice, latent replicated)."""
+
+    def __init__(self, config: MlaMoeConfig, attn_impl: str, heads: int | None = None) -> None:
         super().__init__()
         c = config
         self.config = c
         self.attn_impl = attn_impl
-        h, nh = c.hidden_size, c.num_attention_heads
+        self.heads = c.num_attention_heads if heads is None else heads
+        h, nh = c.hidden_size, self.heads
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(h, nh * c.qk_head_dim, bias=False)
         else:
@@ -419,7 +481,7 @@ class Attention(nn.Module):
         start: int,  # S: committed rows before the new ones
     ) -> torch.Tensor:
         c = self.config
-        m, nh = x.shape[0], c.num_attention_heads
+        m, nh = x.shape[0], self.heads
         if c.q_lora_rank is None:
             q = self.q_proj(x)
         else:
@@ -446,7 +508,7 @@ class Attention(nn.Module):
         c = self.config
         s = rows.shape[0]
         latent, k_rope = rows.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(s, c.num_attention_heads, -1).transpose(0, 1)
+        kv = self.kv_b_proj(latent).view(s, self.heads, -1).transpose(0, 1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [nh, S, *]
         scores = q_nope @ k_nope.transpose(1, 2) + q_rope @ k_rope.T  # [nh, M, S]
         return self._softmax(scores, mask) @ v
@@ -465,29 +527,36 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: MlaMoeConfig, layer_idx: int, attn_impl: str) -> None:
+    def __init__(
+        self, config: MlaMoeConfig, layer_idx: int, attn_impl: str, shard: ModelShard | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, attn_impl)
+        shard = shard or ModelShard.whole(config)
+        self.self_attn = Attention(config, attn_impl, shard.heads)
         if layer_idx >= config.first_k_dense_replace:
-            self.mlp = MoE(config)
+            self.mlp = MoE(config, shard)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+            self.mlp = MLP(config.hidden_size, shard.dense_intermediate)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.reduce = shard.reduce or _no_reduce  # sums the ranks' partial sublayer outputs
 
     def forward(self, x, rope, cos_sin, mask, cache_rows, start) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, mask, cache_rows, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), rope, cos_sin, mask, cache_rows, start)
+        x = x + self.reduce(attn)
+        return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Backbone(nn.Module):
     """``model.*`` of the checkpoint: embedding, decoder layers, final norm."""
 
-    def __init__(self, config: MlaMoeConfig, attn_impl: str) -> None:
+    def __init__(
+        self, config: MlaMoeConfig, attn_impl: str, shard: ModelShard | None = None
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, attn_impl) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, attn_impl, shard) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -500,18 +569,26 @@ class ForwardOutput:
 
 
 class MlaMoeModel(nn.Module):
-    """The MLA+MoE causal LM. Parameter names equal ``DeepseekV3ForCausalLM``'s."""
+    """The MLA+MoE causal LM. Parameter names equal ``DeepseekV3ForCausalLM``'s.
 
-    def __init__(self, config: MlaMoeConfig, attn_impl: str = "absorbed") -> None:
+    ``shard``: this rank's slice in a tensor/expert-parallel group (None: the whole model).
+    A shard without ``lm_head`` returns ``[M, 0]`` logits.
+    """
+
+    def __init__(
+        self, config: MlaMoeConfig, attn_impl: str = "absorbed", shard: ModelShard | None = None
+    ) -> None:
         super().__init__()
         if attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={attn_impl!r}, expected one of {ATTN_IMPLS}")
         self.config = config
         self.attn_impl = attn_impl
-        self.model = Backbone(config, attn_impl)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = Backbone(config, attn_impl, shard)
+        self.lm_head = None
+        if shard is None or shard.lm_head:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self,
@@ -541,7 +618,7 @@ class MlaMoeModel(nn.Module):
         n = len(self.model.layers)
         if n in capture_layers:  # transformers' last hidden_states entry is after the final norm
             captured[n] = x
-        logits = self.lm_head(x)
+        logits = self.lm_head(x) if self.lm_head is not None else x[:, :0]
         hidden = torch.cat([captured[i] for i in capture_layers], -1) if capture_layers else None
         return ForwardOutput(logits=logits, hidden=hidden)
 
@@ -602,22 +679,9 @@ class MlaMoeTarget:
 
         path = Path(path)
         config = MlaMoeConfig.from_hf(read_config(path), source=str(path / "config.json"))
-        with torch.device("meta"):
-            model = MlaMoeModel(config, attn_impl)
         tensors = _fuse_per_expert(load_safetensors(path), config)
-        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        if config.tie_word_embeddings:
-            expected.pop("lm_head.weight", None)
-        match_state_dict(expected, tensors, str(path))
-        model = model.to_empty(device=device)
-        model.load_state_dict(tensors, strict=False, assign=False)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model.model.rotary_emb.inv_freq = rope_inv_freq(config).to(device)
-        model = model.to(dtype)
-        for module in model.modules():  # the router stays in float32, as transformers keeps it
-            if isinstance(module, Router):
-                module.float()
+        match_state_dict(expected_shapes(config, attn_impl), tensors, str(path))
+        model = build_model(config, attn_impl, tensors, dtype, device)
         return cls(model, name=path.name, capacity=capacity, check_finite=check_finite)
 
     # --- protocol -------------------------------------------------------------------------
@@ -699,6 +763,42 @@ class MlaMoeTarget:
                 f"{int(positions.min())}..{int(positions.max())}"
             )
         return TargetOutput(logits=out.logits, hidden=out.hidden)
+
+
+def expected_shapes(
+    config: MlaMoeConfig, attn_impl: str = "absorbed", shard: ModelShard | None = None
+) -> dict[str, tuple[int, ...]]:
+    """``{parameter name: shape}`` a checkpoint must provide (a tied LM head is not needed)."""
+    with torch.device("meta"):
+        model = MlaMoeModel(config, attn_impl, shard)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    return expected
+
+
+def build_model(
+    config: MlaMoeConfig,
+    attn_impl: str,
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: str | torch.device,
+    shard: ModelShard | None = None,
+) -> MlaMoeModel:
+    """The model (or one rank's ``shard`` of it) from checked ``tensors``, in ``dtype`` on
+    ``device``; the router stays in float32, as transformers keeps it."""
+    with torch.device("meta"):
+        model = MlaMoeModel(config, attn_impl, shard)
+    model = model.to_empty(device=device)
+    model.load_state_dict(tensors, strict=False, assign=False)
+    if config.tie_word_embeddings and model.lm_head is not None:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.inv_freq = rope_inv_freq(config).to(device)
+    model = model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.float()
+    return model
 
 
 def _fuse_per_expert(tensors: dict[str, torch.Tensor], config: MlaMoeConfig) -> dict:

@@ -1,0 +1,229 @@
+"""Process groups over ``torch.distributed`` for the parallel target and ``bench allreduce``.
+
+Two ways to start a group of ``world_size`` ranks:
+
+- **spawned** (:func:`spawn_group`): the calling process is rank 0 and starts ranks
+  ``1 .. world_size - 1`` itself (``multiprocessing`` "spawn"); they meet through a TCP store
+  on 127.0.0.1 at a free port. This is what ``ddtree generate --tp 2`` does.
+- **torchrun** (:func:`join_launched_group`): every rank runs the same command and
+  ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` come from the launcher::
+
+      torchrun --nproc-per-node 2 -m ddtree generate --tp 2 --prompt "def f"
+
+Backend: gloo on CPU, NCCL on CUDA (rank ``r`` uses ``cuda:LOCAL_RANK``). Every collective
+has a timeout (``timeout_s``, default :data:`DEFAULT_TIMEOUT_S`): a rank that dies closes its
+sockets and the others fail at their next collective; a rank that stalls makes them fail after
+the timeout. Either way the survivors raise :class:`~ddtree.errors.DistributedError` naming the
+ranks, their exit codes and the errors they reported (through the store) before dying.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ddtree.errors import DistributedError
+
+DEFAULT_TIMEOUT_S = 300.0
+LOCALHOST = "127.0.0.1"
+# Seconds to wait for a spawned rank's exit code when explaining a failed collective.
+EXIT_GRACE_S = 2.0
+ERROR_KEY = "ddtree/error/{rank}"
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def backend_for(device: torch.device | str) -> str:
+    """``nccl`` for CUDA devices, ``gloo`` otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def launched_by_torchrun() -> bool:
+    """True when the launcher (torchrun or an equivalent) set RANK and WORLD_SIZE."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@dataclass
+class Group:
+    """One process group: this rank's view (the default ``torch.distributed`` group)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device  # this rank's device for collectives and models
+    timeout_s: float
+    store: dist.Store
+    launcher: str  # "spawned" | "torchrun"
+    processes: list = field(default_factory=list)  # spawned ranks (on rank 0 only)
+
+    @property
+    def describe(self) -> str:
+        return f"{self.world_size}-rank {self.backend} group ({self.launcher})"
+
+    def report_error(self, message: str) -> None:
+        """Leave ``message`` in the store for the other ranks' error messages."""
+        try:
+            self.store.set(ERROR_KEY.format(rank=self.rank), message)
+        except Exception:  # the store's host (rank 0) may be gone already
+            pass
+
+    def reported_errors(self) -> dict[int, str]:
+        """``{rank: message}`` left by ranks that failed (never blocks)."""
+        found = {}
+        for rank in range(self.world_size):
+            key = ERROR_KEY.format(rank=rank)
+            try:
+                if rank != self.rank and self.store.check([key]):
+                    found[rank] = self.store.get(key).decode(errors="replace")
+            except Exception:
+                break
+        return found
+
+    def failure(self, what: str, err: BaseException) -> DistributedError:
+        """A DistributedError for a failed ``what`` (a collective), with what is known of why:
+        exit codes of spawned ranks and the errors ranks reported."""
+        reasons = [f"rank {r} reported: {msg}" for r, msg in self.reported_errors().items()]
+        for rank, process in enumerate(self.processes, start=1):
+            process.join(EXIT_GRACE_S if not reasons else 0.1)
+            if process.exitcode is not None and process.exitcode != 0:
+                reasons.append(f"rank {rank} exited with code {process.exitcode}")
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if not reasons:
+            reasons.append(
+                f"a rank died or stalled past the {self.timeout_s:g} s collective timeout "
+                f"({first_line})"
+            )
+        return DistributedError(f"{self.describe}, rank {self.rank}: {what} failed: " + "; ".join(reasons))
+
+    def close(self) -> None:
+        """Leave the group; on rank 0, wait for spawned ranks to exit."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for process in self.processes:
+            process.join(EXIT_GRACE_S)
+            if process.is_alive():
+                process.terminate()
+                process.join(EXIT_GRACE_S)
+        self.processes = []
+
+
+def _init(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float,
+    launcher: str,
+) -> Group:
+    if dist.is_initialized():
+        raise DistributedError("a torch.distributed group is already initialised in this process")
+    backend = backend_for(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("ddtree/pg", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=_timedelta(timeout_s),
+        )
+    except (RuntimeError, dist.DistError) as err:
+        raise DistributedError(
+            f"rank {rank}: the {world_size}-rank {backend} group did not form within "
+            f"{timeout_s:g} s (are all {world_size} ranks started, with the same --tp?): "
+            f"{str(err).strip().splitlines()[0]}"
+        ) from None
+    return Group(rank, world_size, backend, device, timeout_s, store, launcher)
+
+
+def _rank_device(device: torch.device | str, local_rank: int) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.device("cuda", local_rank)
+    return device
+
+
+def join_launched_group(
+    world_size: int, device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Group:
+    """Join the group a launcher (torchrun) started; its WORLD_SIZE must equal ``world_size``."""
+    missing = [v for v in LAUNCHER_VARS if v not in os.environ]
+    if missing:
+        raise DistributedError(f"launcher environment incomplete: {', '.join(missing)} not set")
+    launched = int(os.environ["WORLD_SIZE"])
+    if launched != world_size:
+        raise DistributedError(
+            f"the launcher started WORLD_SIZE={launched} ranks but --tp {world_size} was asked: "
+            f"start torchrun with --nproc-per-node {world_size}"
+        )
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    try:
+        store, _, _ = next(dist.rendezvous("env://", timeout=_timedelta(timeout_s)))
+    except (RuntimeError, ValueError, dist.DistError) as err:
+        raise DistributedError(f"rank {rank}: rendezvous failed: {err}") from None
+    return _init(store, rank, world_size, _rank_device(device, local_rank), timeout_s, "torchrun")
+
+
+def _spawned_main(
+    entry: Callable, rank: int, world_size: int, port: int, device: str, timeout_s: float, args
+) -> None:
+    """Body of a spawned rank: join the group, run ``entry(group, *args)``, report failures."""
+    store = dist.TCPStore(LOCALHOST, port, world_size, False, timeout=_timedelta(timeout_s))
+    group = _init(store, rank, world_size, _rank_device(device, rank), timeout_s, "spawned")
+    try:
+        entry(group, *args)
+    except BaseException as err:  # noqa: B036 - report anything, then exit non-zero
+        group.report_error(f"{type(err).__name__}: {err}")
+        if not isinstance(err, DistributedError | KeyboardInterrupt):
+            traceback.print_exc()
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_group(
+    world_size: int,
+    entry: Callable,
+    args: tuple = (),
+    device: torch.device | str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Group:
+    """Become rank 0 of a new group; ranks ``1 .. world_size - 1`` run ``entry(group, *args)``
+    in spawned processes (``entry`` must be importable: a module-level function)."""
+    if world_size < 2:
+        raise ValueError(f"world_size must be >= 2 to spawn a group, got {world_size}")
+    store = dist.TCPStore(
+        LOCALHOST, 0, world_size, True, timeout=_timedelta(timeout_s), wait_for_workers=False
+    )
+    ctx = multiprocessing.get_context("spawn")
+    processes = []
+    for rank in range(1, world_size):
+        process = ctx.Process(
+            target=_spawned_main,
+            args=(entry, rank, world_size, store.port, str(device), timeout_s, args),
+            name=f"ddtree-rank{rank}",
+            daemon=True,
+        )
+        process.start()
+        processes.append(process)
+    try:
+        group = _init(store, 0, world_size, _rank_device(device, 0), timeout_s, "spawned")
+    except DistributedError:
+        for process in processes:
+            process.terminate()
+        raise
+    group.processes = processes
+    return group
