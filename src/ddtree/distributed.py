@@ -89,6 +89,9 @@ class Group:
                 break
         return found
 
+    def clear_errors(self) -> None:
+        self.store.delete_key(ERROR_KEY.format(rank=self.rank))
+
     def failure(self, what: str, err: BaseException) -> DistributedError:
         """A DistributedError for a failed ``what`` (a collective), with what is known of why:
         exit codes of spawned ranks and the errors ranks reported."""
@@ -103,7 +106,9 @@ class Group:
                 f"a rank died or stalled past the {self.timeout_s:g} s collective timeout "
                 f"({first_line})"
             )
-        return DistributedError(f"{self.describe}, rank {self.rank}: {what} failed: " + "; ".join(reasons))
+        return DistributedError(
+            f"{self.describe}, rank {self.rank}: {what} failed: " + "; ".join(reasons)
+        )
 
     def close(self) -> None:
         """Leave the group; on rank 0, wait for spawned ranks to exit."""

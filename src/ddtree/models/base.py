@@ -41,6 +41,8 @@ class ModelInfo:
     dtype: str  # "float32", "bfloat16", ...
     max_position: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    tp: int = 1  # ranks the model is split over (tensor parallel)
+    ep: int = 1  # groups its routed experts are split into (expert parallel)
 
 
 @dataclass

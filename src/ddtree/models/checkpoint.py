@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 CONFIG_NAME = "config.json"
@@ -97,6 +97,69 @@ def load_safetensors(path: str | Path, device: str | torch.device = "cpu") -> di
         for name in names:
             tensors[name] = loaded[name]
     return tensors
+
+
+class CheckpointSlices:
+    """Parts of the tensors of a checkpoint, read without loading whole files.
+
+    safetensors files are memory-mapped and only the requested slices are copied, so a rank
+    of a parallel group holds its own shard and nothing more. Use as a context manager.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        self.path = path
+        self._handles = {}
+        self._file_of: dict[str, Path] = {}
+        index = path / INDEX_NAME
+        try:
+            if path.is_dir() and index.is_file():
+                for shard, names in _read_index(index).items():
+                    handle = self._open(path / shard)
+                    absent = [n for n in names if n not in set(handle.keys())]
+                    if absent:
+                        raise CheckpointError(
+                            f"{path / shard}: tensors listed in {INDEX_NAME} are absent: "
+                            f"{_names(absent)}"
+                        )
+                    self._file_of.update({n: path / shard for n in names})
+            else:
+                file = weight_files(path)[0]
+                self._file_of = {n: file for n in self._open(file).keys()}
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, file: Path):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
+        self._handles[file] = handle
+        return handle
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{tensor name: shape}`` from the file headers (no tensor data read)."""
+        return {
+            name: tuple(self._handles[file].get_slice(name).get_shape())
+            for name, file in self._file_of.items()
+        }
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        """Tensor ``name``, or the part ``index`` (one slice per leading dimension) of it."""
+        if name not in self._file_of:
+            raise CheckpointError(f"{self.path}: missing tensor {name}")
+        piece = self._handles[self._file_of[name]].get_slice(name)
+        return piece[index] if index else piece[:]
+
+    def close(self) -> None:
+        self._handles.clear()  # safe_open handles unmap when released
+
+    def __enter__(self) -> CheckpointSlices:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _pickle_error(file: Path) -> CheckpointError:
