@@ -15,7 +15,7 @@ import os
 import sys
 import warnings
 
-from ddtree.errors import NonFiniteLogitsError
+from ddtree.errors import DistributedError, NonFiniteLogitsError
 from ddtree.records import RecordWarning
 
 # (command path, module, one-line help). A path of two words is a sub-subcommand.
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(run(args) or 0)
-    except (ValueError, FileNotFoundError, NonFiniteLogitsError) as e:
+    except (ValueError, FileNotFoundError, NonFiniteLogitsError, DistributedError) as e:
         # bad input (files, fields, arguments) or a model emitting NaN/inf: the message names
         # it; DDTREE_DEBUG=1 re-raises
         if os.environ.get("DDTREE_DEBUG"):
@@ -98,3 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        parallel = sys.modules.get("ddtree.models.parallel")
+        if parallel is not None:  # release the ranks of --tp targets the command opened
+            parallel.close_open_targets()

@@ -31,6 +31,20 @@ def add_model_arguments(p: argparse.ArgumentParser, default_demo: bool) -> None:
         default=0,
         help="torch CPU threads, 0 for torch's default (default: %(default)s)",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="split the MLA+MoE target over N processes (spawned here, or the ranks torchrun "
+        "started); rank 0 runs the drafter and the tree (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="with --tp: split the routed experts into N groups of whole experts (N divides "
+        "--tp); 1 splits every expert's intermediate instead (default: %(default)s)",
+    )
 
 
 def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -117,7 +131,9 @@ def load_models(args: argparse.Namespace, need_drafter: bool, default_demo: bool
     if need_drafter and drafter_path is None:
         raise SystemExit("error: this policy needs --drafter DIR (or use --policy ar)")
     dtype = getattr(torch, args.dtype)
-    target = load_target(target_path, impl=args.impl, dtype=dtype, device=args.device)
+    target = load_target(
+        target_path, impl=args.impl, dtype=dtype, device=args.device, tp=args.tp, ep=args.ep
+    )
     drafter = None
     if need_drafter:
         drafter = load_drafter(drafter_path, target, dtype=dtype, device=args.device)

@@ -65,17 +65,32 @@ def load_target(
     impl: str = "auto",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    tp: int = 1,
+    ep: int = 1,
     **kwargs,
 ):
     """Load a target checkpoint directory (config.json + safetensors) as a ``Target``.
 
-    ``kwargs`` go to the implementation's ``from_pretrained`` (e.g. ``attn_impl`` for
-    ``mla_moe``, ``attn_implementation`` for ``hf``).
+    ``tp`` > 1 splits our MLA+MoE target over that many processes (``ep``: routed experts in
+    that many groups), see ``ddtree.models.parallel.load_parallel_target``. ``kwargs`` go to
+    the implementation's loader (e.g. ``attn_impl`` for ``mla_moe``, ``attn_implementation``
+    for ``hf``).
     """
     from ddtree.models.checkpoint import read_config
 
     path = Path(path)
-    chosen = choose_target_impl(read_config(path), str(path / "config.json"), impl)
+    config = read_config(path)
+    chosen = choose_target_impl(config, str(path / "config.json"), impl)
+    if tp != 1 or ep != 1:
+        if chosen != "mla_moe":
+            raise UnsupportedModelError(
+                f"{path / 'config.json'}: tp={tp}, ep={ep} split our MLA+MoE target only "
+                f"(DeepSeek-V3 / Kimi-K2 configs); model_type={config.get('model_type')!r} "
+                f"runs on one process (tp=1)"
+            )
+        from ddtree.models.parallel import load_parallel_target
+
+        return load_parallel_target(path, tp, ep, dtype=dtype, device=device, **kwargs)
     if chosen == "mla_moe":
         from ddtree.models.mla_moe import MlaMoeTarget
 

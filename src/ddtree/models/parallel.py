@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import json
 from dataclasses import dataclass
 from enum import IntEnum
@@ -46,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ddtree.distributed import (
+    DEFAULT_READY_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     Group,
     join_launched_group,
@@ -57,6 +59,7 @@ from ddtree.models.base import TargetOutput
 from ddtree.models.checkpoint import CheckpointSlices, match_state_dict, read_config
 from ddtree.models.mla_moe import (
     MlaMoeConfig,
+    MlaMoeModel,
     MlaMoeTarget,
     ModelShard,
     _fuse_per_expert,
@@ -395,28 +398,35 @@ def _all_reducer(group: Group):
     return reduce
 
 
-def _load_agreed(group: Group, spec: SessionSpec) -> MlaMoeTarget:
-    """Load this rank's shard; then every rank says whether it loaded, so that one failure
-    fails every rank (rank 0's error names the rank and its reason) instead of a hang."""
+def _load_agreed(group: Group, spec: SessionSpec, session: int) -> MlaMoeTarget:
+    """Load this rank's shard; then every rank posts whether it loaded, so that a failure on
+    any rank fails every rank (rank 0 raises its own error, or names the rank and its error)
+    instead of leaving the others waiting in a collective."""
     local, error = None, None
     try:
         local = _load_local(group, spec)
     except Exception as err:
         error = err
-        group.report_error(f"loading its shard of {spec.path}: {type(err).__name__}: {err}")
-    status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=group.device)
-    try:
-        dist.all_reduce(status)
-    except (RuntimeError, dist.DistError) as err:
-        raise group.failure("loading shards", err) from None
-    if int(status):
-        failure = group.failure("loading shards", RuntimeError("a rank could not load its shard"))
-        dist.barrier()  # every rank has read the reports before they are cleared
-        group.clear_errors()
-        if error is not None and group.rank == 0:
-            raise error
-        raise failure
+    status = "" if error is None else f"{type(error).__name__}: {error}"
+    failed = group.agree(f"loaded/{session}", status, f"loading shards of {spec.path}")
+    if error is not None and group.rank == 0:
+        raise error
+    if failed:
+        why = "; ".join(f"rank {r} could not load its shard: {msg}" for r, msg in failed.items())
+        raise DistributedError(f"{group.describe}: {why}")
     return local
+
+
+_SESSIONS = itertools.count()  # OPEN numbers on rank 0: store keys of one session's statuses
+_OPEN_TARGETS: set[ParallelTarget] = set()  # until closed (a dropped target still holds ranks)
+
+
+@atexit.register
+def close_open_targets() -> None:
+    """Close every open ParallelTarget of this process (the CLI's commands end with it, and
+    so does the interpreter), releasing the other ranks."""
+    for target in list(_OPEN_TARGETS):
+        target.close()
 
 
 class ParallelTarget:
@@ -434,10 +444,12 @@ class ParallelTarget:
         self.owns_group = owns_group
         self.config = local.config
         self.dtype, self.device = local.dtype, local.device
-        full = sum(torch.Size(s).numel() for s in expected_shapes(local.config).values())
+        with torch.device("meta"):
+            whole = MlaMoeModel(local.config, spec.attn_impl)
+        full = sum(p.numel() for p in whole.parameters())
         self.info = dataclasses.replace(local.info, n_params=full, tp=group.world_size, ep=spec.ep)
         self.closed = False
-        atexit.register(self.close)
+        _OPEN_TARGETS.add(self)
 
     @classmethod
     def open(cls, group: Group, spec: SessionSpec, owns_group: bool = False) -> ParallelTarget:
@@ -448,8 +460,9 @@ class ParallelTarget:
         data = torch.frombuffer(
             bytearray(json.dumps(dataclasses.asdict(spec)).encode()), dtype=torch.uint8
         )
-        channel.send(Op.OPEN, data.to(torch.int64))
-        return cls(_load_agreed(group, spec), group, channel, spec, owns_group)
+        session = next(_SESSIONS)
+        channel.send(Op.OPEN, data.to(torch.int64), arg=session)
+        return cls(_load_agreed(group, spec, session), group, channel, spec, owns_group)
 
     # --- Target protocol ----------------------------------------------------------------------
     @property
@@ -496,15 +509,13 @@ class ParallelTarget:
         if self.closed:
             return
         self.closed = True
-        atexit.unregister(self.close)
+        _OPEN_TARGETS.discard(self)
         try:
             self.channel.send(Op.CLOSE)
-            if self.owns_group:
-                self.channel.send(Op.EXIT)
         except DistributedError:
             pass  # the other ranks are gone already
         if self.owns_group:
-            self.group.close()
+            release(self.group)
 
     def __enter__(self) -> ParallelTarget:
         return self
@@ -548,8 +559,8 @@ def serve(group: Group) -> None:
         if msg.op == Op.OPEN:
             spec = SessionSpec(**json.loads(bytes(msg.payload.to(torch.uint8).tolist())))
             try:
-                local = _load_agreed(group, spec)
-            except Exception:  # reported to rank 0, which raises it; wait for the next OPEN
+                local = _load_agreed(group, spec, msg.arg)
+            except (ValueError, OSError, DistributedError):  # rank 0 raises it: next OPEN
                 local = None
             continue
         if local is None:
@@ -580,6 +591,7 @@ def load_parallel_target(
     capacity: int = 4096,
     check_finite: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
 ) -> ParallelTarget:
     """The MLA+MoE target at ``path`` split over ``tp`` ranks (routed experts in ``ep``
     groups).
@@ -601,7 +613,7 @@ def load_parallel_target(
         check_finite=check_finite,
     )
     if launched_by_torchrun():
-        group = join_launched_group(tp, device, timeout_s)
+        group = join_launched_group(tp, device, timeout_s, ready_timeout_s)
         if group.rank != 0:
             try:
                 serve(group)
@@ -612,13 +624,19 @@ def load_parallel_target(
                 group.close()
             raise SystemExit(0)
     else:
-        group = spawn_group(tp, serve_spawned, (torch.get_num_threads(),), device, timeout_s)
+        threads = (torch.get_num_threads(),)
+        group = spawn_group(tp, serve_spawned, threads, device, timeout_s, ready_timeout_s)
     try:
         return ParallelTarget.open(group, spec, owns_group=True)
     except BaseException:
-        try:
-            Channel(group).send(Op.EXIT)
-        except DistributedError:
-            pass
-        group.close()
+        release(group)
         raise
+
+
+def release(group: Group) -> None:
+    """On rank 0: let the ranks in :func:`serve` exit, then leave the group."""
+    try:
+        Channel(group).send(Op.EXIT)
+    except DistributedError:
+        pass  # they are gone already
+    group.close()
