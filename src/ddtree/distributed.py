@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ddtree.errors import DistributedError
 
 DEFAULT_TIMEOUT_S = 300.0
-DEFAULT_READY_TIMEOUT_S = 1800.0
+DEFAULT_READY_TIMEOUT_S = 900.0  # as torchrun's own rendezvous timeout
 LOCALHOST = "127.0.0.1"
 # Seconds to wait for a spawned rank's exit code when explaining a failed collective.
 EXIT_GRACE_S = 2.0

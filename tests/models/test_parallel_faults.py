@@ -57,6 +57,7 @@ def test_launcher_world_size_must_equal_tp(monkeypatch):
         join_launched_group(2)
 
 
+@pytest.mark.slow
 def test_a_missing_rank_is_a_timeout_not_a_hang(monkeypatch):
     """Rank 0 of a 2-rank launch whose rank 1 never comes: an error after the timeout."""
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
