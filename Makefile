@@ -10,7 +10,8 @@ STAMP := $(VENV)/.ddtree-installed
 
 .PHONY: demo test test-all lint format bench clean-venv
 
-$(STAMP): pyproject.toml Makefile
+# The install also builds the compiled tree core (setup.py: src/ddtree/tree/_native.cpp).
+$(STAMP): pyproject.toml setup.py Makefile src/ddtree/tree/_native.cpp
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"

@@ -7,8 +7,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree.tree import build_tree, build_trees
+from ddtree.tree import build_tree, build_trees, load_backend
+from ddtree.tree.backends import BackendUnavailable
 from ddtree.tree.reference import build_tree_ref, visibility_ref
+
+
+def _builders():
+    """Every host builder that loads here (the python one always; native when built)."""
+    out = []
+    for name in ("python", "native"):
+        try:
+            out.append(load_backend(name).build_tree)
+        except BackendUnavailable:
+            pass
+    return out
 
 
 def _assert_same(tree, ref):
@@ -58,7 +70,8 @@ def test_both_builders_match_the_reference_on_random_inputs(seed):
     values = None if seed % 2 else [0.0, -0.5, -1.0, -1.5, float("-inf")]
     lp, tok = _sorted_lp(rng, n_depth, k, values), _tokens(rng, n_depth, k)
     ref = build_tree_ref(3, lp.numpy(), tok.numpy(), budget)
-    _assert_same(build_tree(3, lp, tok, budget), ref)
+    for builder in _builders():
+        _assert_same(builder(3, lp, tok, budget), ref)
     _assert_same(build_trees(torch.tensor([3]), lp[None], tok[None], budget).tree(0), ref)
 
 
@@ -86,7 +99,8 @@ def test_property_batched_equals_cpu_equals_reference(n_depth, k, budget, r, dat
     batch = build_trees(torch.tensor(roots), torch.stack(lps), torch.stack(toks), budget)
     for i in range(r):
         ref = build_tree_ref(roots[i], lps[i].numpy(), toks[i].numpy(), budget)
-        _assert_same(build_tree(roots[i], lps[i], toks[i], budget), ref)
+        for builder in _builders():
+            _assert_same(builder(roots[i], lps[i], toks[i], budget), ref)
         _assert_same(batch.tree(i), ref)
 
 
@@ -154,17 +168,19 @@ def test_small_trees_when_few_nodes_exist():
     ],
 )
 def test_bad_input_is_a_clear_error(lp, message):
-    with pytest.raises(ValueError, match=message):
-        build_tree(0, lp, torch.tensor([[1, 2]]), 4)
+    for builder in _builders():
+        with pytest.raises(ValueError, match=message):
+            builder(0, lp, torch.tensor([[1, 2]]), 4)
     with pytest.raises(ValueError, match=message):
         build_trees(torch.tensor([0]), lp[None], torch.tensor([[[1, 2]]]), 4)
 
 
 def test_shape_mismatch_and_negative_budget():
-    with pytest.raises(ValueError, match="topk_tokens"):
-        build_tree(0, torch.zeros(2, 3), torch.zeros(2, 2, dtype=torch.int64), 4)
-    with pytest.raises(ValueError, match="budget"):
-        build_tree(0, torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64), -1)
+    for builder in _builders():
+        with pytest.raises(ValueError, match="topk_tokens"):
+            builder(0, torch.zeros(2, 3), torch.zeros(2, 2, dtype=torch.int64), 4)
+        with pytest.raises(ValueError, match="budget"):
+            builder(0, torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64), -1)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -180,3 +196,95 @@ def test_batched_candidate_pruning_is_exact_with_wide_k_and_ties(seed):
     for i in range(3):
         ref = build_tree_ref(i + 1, lps[i].numpy(), toks[i].numpy(), budget)
         _assert_same(batch.tree(i), ref)
+
+
+# ops that read device data on the host or carry data-dependent (unbacked) sizes: none may
+# appear in the batched builder's graph, or it could not run inside a captured CUDA graph
+HOST_SYNC_OPS = (
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "item",
+    "_assert_async",
+    "_assert_scalar",
+    "sym_size",
+    "sym_numel",
+    "sym_stride",
+)
+
+
+def _graph_ops(fn, *args, **kwargs) -> tuple[object, set[str]]:
+    """Run ``fn`` through torch.compile(fullgraph=True) (a graph break raises) and return its
+    result and the aten ops of the captured graph."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    ops: set[str] = set()
+
+    def record(gm, example_inputs):
+        ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=record))
+    return compiled(*args, **kwargs), ops
+
+
+@pytest.mark.slow
+def test_batched_builder_compiles_to_one_graph_without_host_synchronisation():
+    """The CPU proxy for CUDA-graph capture: one graph (fullgraph), no op that syncs."""
+    rng = np.random.default_rng(5)
+    lps = torch.stack([_sorted_lp(rng, 3, 6, [0.0, -0.5, -1.0, float("-inf")]) for _ in range(2)])
+    toks = torch.stack([_tokens(rng, 3, 6) for _ in range(2)])
+    roots = torch.tensor([4, 9])
+    batch, ops = _graph_ops(build_trees, roots, lps, toks, 8, check_values=False)
+    aten = {op.split(".")[1] for op in ops if op.startswith("aten.")}  # aten.sort.stable -> sort
+    assert "sort" in aten and "gather" in aten  # the builder's graph, not an empty one
+    assert not aten & set(HOST_SYNC_OPS), sorted(aten)
+    # symbolic-size arithmetic (sym_sum, sym_min, ..) means a shape depends on data
+    assert {op for op in ops if not op.startswith("aten.")} <= {"<built-in function getitem>"}
+    for i in range(2):
+        ref = build_tree_ref(int(roots[i]), lps[i].numpy(), toks[i].numpy(), 8)
+        _assert_same(batch.tree(i), ref)
+
+
+def test_value_checks_are_what_breaks_a_graph():
+    """With the NaN / sortedness checks on, fullgraph tracing fails (they read values on the
+    host): check_values=False is needed inside a captured graph, and only there."""
+    lp = torch.tensor([[[-0.1, -0.2]]])
+    with pytest.raises(Exception, match="(?i)data-dependent|graph break|unsupported"):
+        _graph_ops(build_trees, torch.tensor([0]), lp, torch.tensor([[[1, 2]]]), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batched_builder_replays_in_a_cuda_graph():
+    """On CUDA: capture build_trees once, replay it on new inputs copied into the captured
+    input tensors, and get the reference trees."""
+    rng = np.random.default_rng(9)
+    device = torch.device("cuda")
+
+    def inputs():
+        lps = torch.stack([_sorted_lp(rng, 4, 8, [0.0, -0.5, -1.0, -2.0]) for _ in range(3)])
+        toks = torch.stack([_tokens(rng, 4, 8) for _ in range(3)])
+        return torch.tensor([1, 2, 3]), lps, toks
+
+    static = [t.to(device) for t in inputs()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        build_trees(*static, 16, check_values=False)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = build_trees(*static, 16, check_values=False)
+    for _ in range(2):
+        fresh = inputs()
+        for dst, src in zip(static, fresh, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in range(3):
+            ref = build_tree_ref(int(fresh[0][i]), fresh[1][i].numpy(), fresh[2][i].numpy(), 16)
+            tree = out.tree(i)
+            assert tree.tokens.tolist() == ref[0].tolist()
+            assert tree.parents.tolist() == ref[1].tolist()

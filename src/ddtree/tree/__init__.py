@@ -2,6 +2,10 @@
 
 No models, no configs, no I/O. Vocabulary: block size B, depth L = B - 1, budget N (non-root
 nodes), verify width M = N + 1.
+
+Host work (``build_tree``, ``verify_layout``, ``accept_greedy``) runs on one backend chosen
+once per process: the compiled core when built, else the Python reference; ``backend()``
+names it (see ``ddtree.tree.backends``).
 """
 
 from ddtree.tree.accept import (
@@ -13,9 +17,11 @@ from ddtree.tree.accept import (
     process_logits,
     sample_token,
 )
-from ddtree.tree.build import DraftTreeBatch, build_tree, build_trees
+from ddtree.tree.backends import BACKENDS, TreeBackend, backend, load_backend
+from ddtree.tree.build import DraftTreeBatch, build_tree, build_tree_python, build_trees
 from ddtree.tree.layout import (
     CompactionPlan,
+    LayoutBuffer,
     VerifyLayout,
     compaction_indices,
     pack_bits,
@@ -25,20 +31,26 @@ from ddtree.tree.topk import TopK, topk_logprobs
 from ddtree.tree.types import AcceptResult, DraftTree
 
 __all__ = [
+    "BACKENDS",
     "AcceptResult",
     "CompactionPlan",
     "DraftTree",
     "DraftTreeBatch",
+    "LayoutBuffer",
     "TopK",
+    "TreeBackend",
     "VerifyLayout",
     "accept_greedy",
     "accept_greedy_batch",
     "accept_sampled",
     "accept_sampled_batch",
     "accepted_mask",
+    "backend",
     "build_tree",
+    "build_tree_python",
     "build_trees",
     "compaction_indices",
+    "load_backend",
     "pack_bits",
     "process_logits",
     "sample_token",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ddtree.tree.backends import active_backend
 from ddtree.tree.types import AcceptResult, DraftTree
 
 
@@ -91,12 +92,22 @@ def accepted_mask(
 
 
 def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
-    """``target_tokens`` [M] int64: the target's token after each node (argmax for greedy)."""
+    """``target_tokens`` [M] int64: the target's token after each node (argmax for greedy).
+    Runs the active backend (``ddtree.tree.backend()``)."""
+    return active_backend().accept_greedy(tree, target_tokens)
+
+
+def check_target_tokens(tree: DraftTree, target_tokens: torch.Tensor) -> None:
     m = tree.n_nodes
     if target_tokens.shape != (m,):
         raise ValueError(
             f"target_tokens must be [{m}] (one per node), got {tuple(target_tokens.shape)}"
         )
+
+
+def accept_greedy_torch(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
+    """Greedy acceptance in torch (any device): the reference for the native walk."""
+    check_target_tokens(tree, target_tokens)
     ok = accepted_mask(tree.tokens, tree.parents, tree.visibility, target_tokens)
     # nodes are ordered parents-first, so the accepted path in index order is root -> leaf
     accepted = ok.nonzero().squeeze(1)

@@ -23,19 +23,22 @@ Node ordering is the output order: node 0 is the root; nodes follow in that orde
 
 from __future__ import annotations
 
-import functools
 import heapq
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ddtree.tree.backends import active_backend
 from ddtree.tree.types import DraftTree
 
 
-def check_topk(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: int) -> None:
+def check_topk(
+    topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: int, values: bool = True
+) -> None:
     """Validate one request's or a batch's top-K inputs ([.., L, K]); raise ValueError naming
-    the argument."""
+    the argument. ``values=False`` checks shapes and dtypes only (no read of the data: no host
+    synchronisation, nothing that breaks a captured graph)."""
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     if topk_logprobs.shape != topk_tokens.shape or topk_logprobs.dim() < 2:
@@ -45,6 +48,8 @@ def check_topk(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, budget: i
         )
     if not topk_logprobs.is_floating_point():
         raise ValueError(f"topk_logprobs must be floating point, got {topk_logprobs.dtype}")
+    if not values:
+        return
     values = _cheap_view(topk_logprobs)  # numpy or torch: the same expressions work on both
     if (values != values).any():
         raise ValueError("topk_logprobs contains NaN (expected log-probabilities or -inf)")
@@ -85,7 +90,20 @@ def build_tree(
     topk_tokens: torch.Tensor,  # [L, K] int64
     budget: int,
 ) -> DraftTree:
-    """CPU best-first (heap) builder. Returns at most ``budget + 1`` nodes, root first."""
+    """Best-first (heap) builder on the host. Returns at most ``budget + 1`` nodes, root first,
+    as CPU tensors. Runs the active backend (``ddtree.tree.backend()``): the compiled core, or
+    ``build_tree_python`` where it is not built; both give the same tree, bit for bit."""
+    return active_backend().build_tree(root_token, topk_logprobs, topk_tokens, budget)
+
+
+def build_tree_python(
+    root_token: int,
+    topk_logprobs: torch.Tensor,  # [L, K] float, sorted descending per depth
+    topk_tokens: torch.Tensor,  # [L, K] int64
+    budget: int,
+) -> DraftTree:
+    """The Python heap builder: the reference the compiled core is tested against, and the
+    fallback where it is not built."""
     check_topk(topk_logprobs, topk_tokens, budget)
     assert topk_logprobs.dim() == 2, "build_tree takes one request [L, K]; see build_trees"
     n_depth, k = topk_logprobs.shape
@@ -151,19 +169,20 @@ class DraftTreeBatch:
         )
 
 
-@functools.lru_cache(maxsize=256)
-def _candidate_pairs_cpu(p: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    i = torch.arange(p)[:, None].expand(p, k)
-    j = torch.arange(k)[None, :].expand(p, k)
-    ok = (i + 1) * (j + 1) <= n
-    return i[ok].contiguous(), j[ok].contiguous()
-
-
 def _candidate_pairs(p: int, k: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Static (parent score rank i, child rank j) pairs with (i + 1) * (j + 1) <= n: they depend
-    only on shapes, so there is no host synchronisation."""
-    i, j = _candidate_pairs_cpu(p, k, n)
-    return i.to(device), j.to(device)
+    """Static (parent score rank i, child rank j) pairs with (i + 1) * (j + 1) <= n, i < p,
+    j < k, in (i, j) order: [C] int64 each. Made on ``device`` from shapes alone (no host
+    copy, no data-dependent shape), so a captured graph can hold them.
+
+    Example p = 3, k = 4, n = 4: counts min(k, n // (i + 1)) = [4, 2, 1], C = 7,
+    i = [0, 0, 0, 0, 1, 1, 2], j = [0, 1, 2, 3, 0, 1, 0].
+    """
+    counts = torch.clamp(n // torch.arange(1, p + 1, device=device), max=k)  # [p]
+    ends = counts.cumsum(0)
+    c = sum(min(k, n // (i + 1)) for i in range(p))
+    flat = torch.arange(c, device=device)
+    i = torch.searchsorted(ends, flat, right=True)
+    return i, flat - (ends - counts)[i]
 
 
 def build_trees(
@@ -171,9 +190,12 @@ def build_trees(
     topk_logprobs: torch.Tensor,  # [R, L, K] float, sorted descending per depth
     topk_tokens: torch.Tensor,  # [R, L, K] int64
     budget: int,
+    check_values: bool = True,
 ) -> DraftTreeBatch:
     """Batched, vectorised builder: same trees (nodes and order) as ``build_tree``, with no host
-    synchronisation (shapes depend only on R, L, K and the budget).
+    synchronisation (shapes depend only on R, L, K and the budget). ``check_values=False``
+    skips the NaN / sortedness checks, which read the inputs on the host: pass it inside a
+    captured graph (``torch.compile(fullgraph=True)``, CUDA graphs).
 
     Level by level: keep the ``budget`` best nodes of each depth among the children of the kept
     nodes of the depth above (a node of the global top-N has its parent in the global top-N,
@@ -181,7 +203,7 @@ def build_trees(
     rank order, so the flattened (parent, rank) grid of the next depth is lexicographic too.
     The final order sorts all kept nodes by (score desc, rank tuple asc) with stable sorts.
     """
-    check_topk(topk_logprobs, topk_tokens, budget)
+    check_topk(topk_logprobs, topk_tokens, budget, values=check_values)
     assert topk_logprobs.dim() == 3, "build_trees takes [R, L, K]"
     device = topk_logprobs.device
     r_count, n_depth, k = topk_logprobs.shape

@@ -57,13 +57,24 @@ def visibility_ref(parents: np.ndarray) -> np.ndarray:
     return vis
 
 
-def mask_ref(parents: np.ndarray, start: int, dtype_min: float) -> np.ndarray:
-    """[M, start+M] additive mask: prefix visible, tree ancestor-or-self visible."""
+def mask_ref(
+    parents: np.ndarray,
+    start: int,
+    dtype_min: float,
+    rows: int | None = None,
+    cols: int | None = None,
+) -> np.ndarray:
+    """[rows, cols] additive mask (default [M, start+M]): tree row i sees the prefix and its
+    ancestors-or-self; padding row i >= M sees only column start + i."""
     vis = visibility_ref(parents)
     m = len(parents)
-    mask = np.full((m, start + m), dtype_min, dtype=np.float64)
-    mask[:, :start] = 0.0
-    mask[:, start:][vis] = 0.0
+    rows, cols = rows or m, cols or start + m
+    mask = np.full((rows, cols), dtype_min, dtype=np.float64)
+    mask[:m, :start] = 0.0
+    mask[:m, start : start + m][vis] = 0.0
+    for i in range(m, rows):
+        if start + i < cols:
+            mask[i, start + i] = 0.0
     return mask
 
 
