@@ -89,6 +89,15 @@ MODEL_STAGES: frozenset[Stage] = frozenset({Stage.DRAFT, Stage.VERIFY})
 """Stages spent in model forwards; every other step stage is engine overhead."""
 
 
+class Policy(StrEnum):
+    """How a decode step proposes tokens: ``ar`` (no drafter, M = 1), ``chain`` (the drafter's
+    top-1 per position, budget B-1, a linear mask), ``ddtree`` (best-first tree of N nodes)."""
+
+    AR = "ar"
+    CHAIN = "chain"
+    DDTREE = "ddtree"
+
+
 class EngineMode(StrEnum):
     """How the engine ran its forwards: ``eager`` (Python dispatch per op) or ``compiled``
     (torch.compile: inductor C++ on CPU, CUDA graphs on CUDA)."""
@@ -385,7 +394,7 @@ class EngineRun(Record):
 
     kind: ClassVar[str] = "engine_run"
 
-    policy: str = config_field()  # "ar" | "chain" | "ddtree"
+    policy: Policy = config_field()
     block_size: int = config_field(minimum=1)
     budget: int = config_field(minimum=0)
     temperature: float = config_field(minimum=0)

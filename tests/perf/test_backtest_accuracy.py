@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 from ddtree.perf.calibrate import backtest, calibrate
-from ddtree.perf.cost import prefill_cost, step_cost
-from ddtree.perf.estimate import load
+from ddtree.perf.cost import default_params, params_at, prefill_cost, scoped_specs, step_cost
+from ddtree.perf.estimate import estimate, load
 from ddtree.perf.fromrecords import anchors_from_records
+from ddtree.perf.report import explain
 from ddtree.perf.scenario import StageAnchor, StepAnchor
-from ddtree.records import STEP_STAGES, Stage, read_records, write_records
+from ddtree.records import STEP_STAGES, EngineMode, Stage, read_records, write_records
 
 REAL = Path(__file__).parent / "data" / "demo_pair_cpu_runs.jsonl"
 BUDGETS = (8, 16, 32, 64, 128, 256)
@@ -30,30 +31,42 @@ TRUTH = {
     "compute_efficiency@this-machine": 0.62,
     "weights_efficiency@this-machine": 0.25,
     "moe_efficiency@this-machine": 0.4,
-    "python.launch@this-machine": 28e-6,
-    "python.step_overhead@this-machine": 40e-6,
-    "python.tree_fixed@this-machine": 220e-6,
-    "python.tree_per_node@this-machine": 2.5e-6,
-    "python.accept_per_node@this-machine": 2.0e-6,
+    "eager.launch@this-machine": 28e-6,
+    "eager.step_overhead@this-machine": 40e-6,
+    "eager.tree_fixed@this-machine": 220e-6,
+    "eager.tree_per_node@this-machine": 2.5e-6,
+    "eager.accept_per_node@this-machine": 2.0e-6,
 }
 
 
 def _load_backtest(path: Path, train=(8, 16)):
     sf = load(None, [str(path)])
-    sf.anchors = [a for a in sf.anchors if a.source.startswith("measured:")]
+    sf.anchors = [a for a in sf.anchors if a.from_records]
     return sf, backtest(sf.anchors, sf.specs, sf.fixed, list(train))
 
 
-def _synthetic_records(tmp_path: Path) -> Path:
-    """Engine runs of the demo pair's shapes whose stage times come from TRUTH."""
+# a compiled (torch.compile) run of the same pair: a fraction of the per-op dispatch
+GRAPHS_TRUTH = {
+    "graphs.launch@this-machine": 6e-6,
+    "graphs.step_overhead@this-machine": 15e-6,
+}
+
+
+def _synthetic_records(tmp_path: Path, modes=(EngineMode.EAGER,)) -> Path:
+    """Engine runs of the demo pair's shapes whose stage times come from TRUTH (and
+    GRAPHS_TRUTH for compiled runs), one per budget and engine mode."""
     real = read_records(REAL)
     template = next(r for r in real if r.kind == "engine_run")
     bandwidth = [r for r in real if r.kind == "bench_bandwidth"]
     rng = np.random.default_rng(5)
-    skeletons = [replace(template, budget=n, mean_tau=2.8 + 0.45 * np.log2(n / 8)) for n in BUDGETS]
-    anchors, _ = anchors_from_records(bandwidth + skeletons)
-    sf = load(None, [str(REAL)])
-    truth = {**{k: s.default for k, s in sf.specs.items()}, **TRUTH}
+    skeletons = [
+        replace(template, budget=n, mean_tau=2.8 + 0.45 * np.log2(n / 8), engine_mode=mode)
+        for mode in modes
+        for n in BUDGETS
+    ]
+    anchors, machine = anchors_from_records(bandwidth + skeletons)
+    specs = scoped_specs(default_params(), machine.key, ("eager", "graphs"))
+    truth = {**params_at(specs), **TRUTH, **GRAPHS_TRUTH}
     steps = [a for a in anchors if isinstance(a, StepAnchor)]
     recs = list(bandwidth)
     for skel, a in zip(skeletons, steps, strict=True):
@@ -73,14 +86,30 @@ def _synthetic_records(tmp_path: Path) -> Path:
     return path
 
 
+def test_compiled_runs_fit_a_graphs_profile_of_their_own_and_share_the_device(tmp_path):
+    path = _synthetic_records(tmp_path, (EngineMode.EAGER, EngineMode.COMPILED))
+    sf = load(None, [str(path)])
+    steps = [a for a in sf.anchors if isinstance(a, StepAnchor) and a.from_records]
+    assert sorted({a.point.engine for a in steps}) == ["eager", "graphs"]
+    assert "graphs.launch@this-machine" in sf.specs and "eager.launch@this-machine" in sf.specs
+    est = estimate(sf, samples=200)
+    cal = est.calibration
+    for name, want in {**GRAPHS_TRUTH, **TRUTH}.items():
+        if "launch" in name or "step_overhead" in name or "efficiency" in name:
+            assert cal.values[name] == pytest.approx(want, rel=0.25), name
+    assert cal.status("graphs.launch@this-machine") == "fitted"
+    assert not any(n.startswith("graphs.") and "efficiency" in n for n in cal.names)
+    text = explain(est)
+    assert (
+        "graphs profile on this-machine (host costs of its own): fitted from 6 engine_run "
+        "record(s) with engine_mode compiled" in text
+    ), text[:3000]
+
+
 def test_stage_anchors_come_from_each_run():
     sf = load(None, [str(REAL)])
     stages = [a for a in sf.anchors if isinstance(a, StageAnchor)]
-    steps = [
-        a
-        for a in sf.anchors
-        if isinstance(a, StepAnchor) and a.source.startswith("measured: engine_run")
-    ]
+    steps = [a for a in sf.anchors if isinstance(a, StepAnchor) and a.from_records]
     assert len(steps) == 6
     for a in steps:
         mine = {s.stage for s in stages if s.run == a.name}
@@ -95,7 +124,7 @@ def test_backtest_recovers_ground_truth_model(tmp_path):
     assert [r.anchor.rsplit("N", 1)[1] for r in bt.rows] == ["32", "64", "128", "256"]
     assert bt.mape < 0.02, [round(r.rel_error, 4) for r in bt.rows]
     assert max(abs(r.rel_error) for r in bt.rows) < 0.05
-    train = [a for a in sf.anchors if getattr(a, "run", a.name).split(":")[3]
+    train = [a for a in sf.anchors if getattr(a, "run", a.name).split(":")[-1]
              in ("N8", "N16")]  # fmt: skip
     cal = calibrate(train, sf.specs, sf.fixed)
     # the compute rate is what carries budgets 8-16 to 256: the fit must find it
@@ -113,3 +142,19 @@ def test_real_records_are_small_and_summaries_only():
     assert REAL.stat().st_size < 50_000
     for line in REAL.read_text().splitlines():
         assert json.loads(line)["points"] == []
+
+
+def test_topk_grows_with_the_budget_and_large_verifies_fit_the_real_records():
+    sf = load(None, [str(REAL)])
+    sf.anchors = [a for a in sf.anchors if a.from_records]
+    cal = calibrate(sf.anchors, sf.specs, sf.fixed)
+    res = {r.anchor.split(":", 4)[-1]: r for r in cal.residuals}  # "B8:N256:verify" -> row
+    topk = [res[f"N{n}:topk"] for n in BUDGETS]
+    assert all(a.predicted < b.predicted for a, b in zip(topk, topk[1:], strict=False))
+    # measured 0.10 ms at N = 8 and 0.28 ms at N = 256 (K = N candidates per depth)
+    assert topk[-1].predicted / topk[0].predicted > 2.0
+    assert abs(res["N256:topk"].rel_error) < 0.3
+    # verify at N = 256 (M x (context + M) attention scores) was 15% short without the
+    # score traffic; it is within 10% now
+    assert abs(res["N256:verify"].rel_error) < 0.10
+    assert abs(res["N256"].rel_error) < 0.10  # the whole step

@@ -3,9 +3,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ddtree.perf.calibrate import backtest, calibrate
+from ddtree.perf.calibrate import backtest, calibrate, misfit_scale
 from ddtree.perf.catalog import load_catalog
 from ddtree.perf.cost import Drafter, Point, default_params, params_at, step_cost
+from ddtree.perf.estimate import estimate, load
 from ddtree.perf.model import PRESETS
 from ddtree.perf.scenario import Range, ScenarioCase, StepAnchor
 from ddtree.perf.uncertainty import run_case
@@ -13,11 +14,11 @@ from ddtree.perf.uncertainty import run_case
 K2T = PRESETS["kimi-k2-thinking"]
 CAT = load_catalog()
 DRAFTER = Drafter(params=1.5e9, layers=3)
-TRUE = {"weights_efficiency": 0.45, "python.step_overhead": 9e-3}
+TRUE = {"weights_efficiency": 0.45, "eager.step_overhead": 9e-3}
 
 
 def _pt(hw, budget, block=8):
-    return Point(CAT[hw], 8, 1, 2048, block, budget, "python", DRAFTER)
+    return Point(CAT[hw], 8, 1, 2048, block, budget, "eager", DRAFTER)
 
 
 def _synthetic(truth):
@@ -104,6 +105,47 @@ def test_point_inputs_give_a_degenerate_distribution():
     assert r.tokens_per_s[10] == pytest.approx(r.tokens_per_s[90])
     want = 14.0 / float(step_cost(K2T, _case().point, params_at(specs), 14.0).step_s)
     assert r.tokens_per_s[50] == pytest.approx(want)
-    wide = run_case(K2T, _case(14.0, {"python.step_overhead": Range(1e-3, 20e-3)}), cal, 2000, 0)
-    assert wide.tornado[0].input == "python.step_overhead"
+    wide = run_case(K2T, _case(14.0, {"eager.step_overhead": Range(1e-3, 20e-3)}), cal, 2000, 0)
+    assert wide.tornado[0].input == "eager.step_overhead"
     assert np.isfinite(wide.tokens_per_s[10]) and wide.tokens_per_s[10] < wide.tokens_per_s[90]
+
+
+def test_misfit_widening_counts_the_fitted_parameters():
+    # three anchors, two parameters the anchors pin down alone: one degree of freedom left,
+    # so the misfit per degree of freedom is the whole chi-square (the old rule divided by 3)
+    J = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    r = np.array([1.0, 1.0, -2.0])
+    scale, k_eff = misfit_scale(r, J, np.linalg.pinv(J.T @ J))
+    assert k_eff == pytest.approx(2.0)
+    assert scale == pytest.approx(6.0 / 1.0)
+    # a prior as strong as the anchors halves what they pin down: more degrees of freedom
+    prior = 3.0 * np.eye(2)
+    scale_p, k_p = misfit_scale(r, J, np.linalg.pinv(J.T @ J + prior))
+    assert 0.5 < k_p < 2.0 and scale_p == pytest.approx(6.0 / (3 - k_p))
+    # no degree of freedom left: no widening (the misfit cannot be measured)
+    assert misfit_scale(r[:2], J[:2], np.linalg.pinv(J[:2].T @ J[:2]))[0] == 1.0
+
+
+def test_disagreeing_anchors_widen_the_fit_and_agreeing_ones_do_not():
+    specs, anchors = _synthetic(TRUE)
+    fixed = {n: s.default for n, s in specs.items() if n not in TRUE}
+    good = calibrate(anchors, specs, fixed)
+    assert good.misfit_scale == 1.0
+    bad = [dataclasses.replace(a, step_s=a.step_s * (1.1 if i % 2 else 0.9))
+           for i, a in enumerate(anchors)]  # fmt: skip
+    cal = calibrate(bad, specs, fixed)
+    chi2 = sum((np.log(r.predicted / r.measured) / 0.01) ** 2 for r in cal.residuals)
+    assert 1.5 < cal.effective_params <= 2.0  # the two free parameters, less the priors
+    assert cal.misfit_scale == pytest.approx(chi2 / (len(bad) - cal.effective_params), rel=1e-3)
+    i = cal.names.index("weights_efficiency")
+    assert cal.misfit_scale > 50 and cal.cov_log[i, i] > 5 * good.cov_log[i, i]
+
+
+def test_a_case_at_its_own_anchor_centres_on_it():
+    # the seed's "B300 now" is calibrated on its own 303 tok/s anchor (noise 3%): the Laplace
+    # Gaussian alone put p50 at 295 and the anchor at p90; resampling by the true posterior
+    # centres it
+    est = estimate(load(None), samples=6000, seed=0)
+    now = next(r for r in est.results if r.case.name.startswith("B300 now"))
+    assert now.tokens_per_s[10] < 303 < now.tokens_per_s[90]
+    assert now.tokens_per_s[50] == pytest.approx(303, rel=0.015)

@@ -3,6 +3,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from ddtree.perf import cost
 from ddtree.perf.catalog import load_catalog, with_bandwidth
 from ddtree.perf.cost import (
     Drafter,
@@ -16,6 +17,7 @@ from ddtree.perf.cost import (
     tokens_per_s,
 )
 from ddtree.perf.model import PRESETS
+from ddtree.records import STEP_STAGES, Policy, Stage
 
 K2T = PRESETS["kimi-k2-thinking"]
 DRAFTER = Drafter(params=1.5e9, layers=3, kv_bytes_per_token=12288)
@@ -29,7 +31,7 @@ def _point(hw="b300", **kw):
         context_tokens=2048,
         block_size=8,
         budget=8,
-        engine="python",
+        engine="eager",
         drafter=DRAFTER,
     )
     base.update(kw)
@@ -52,7 +54,7 @@ def test_doubling_bandwidth_halves_memory_bound_terms():
     hw = load_catalog()["b300"]
     a = step_cost(K2T, _point(), P, 4.4)
     b = step_cost(K2T, _point(hardware=with_bandwidth(hw, 2 * hw.hbm_bytes_per_s)), P, 4.4)
-    launch = P["python.launch"]
+    launch = P["eager.launch"]
     for ca, cb in zip(a.components, b.components, strict=True):
         if ca.bound == "memory":
             ta, tb = ca.seconds - ca.launches * launch, cb.seconds - cb.launches * launch
@@ -107,7 +109,7 @@ def test_vectorised_params_broadcast():
 
 def test_native_engine_only_changes_host_terms():
     P = params_at(default_params())
-    py = step_cost(K2T, _point(engine="python"), P)
+    py = step_cost(K2T, _point(engine="eager"), P)
     nat = step_cost(K2T, _point(engine="native"), P)
     assert nat.step_s < py.step_s
     assert nat.hbm_bytes == py.hbm_bytes
@@ -115,10 +117,126 @@ def test_native_engine_only_changes_host_terms():
 
 def test_amdahl_flags_overheads_on_fast_hardware():
     P = params_at(default_params())
-    P["python.step_overhead"] = 0.02
+    P["eager.step_overhead"] = 0.02
     a = amdahl(step_cost(K2T, _point(), P, 4.4), P, 4.4)
     assert a.overhead_fraction > 0.5 and "overheads dominate" in a.statement
     assert a.limit_tokens_per_s > 4.4 / step_cost(K2T, _point(), P).step_s
     low = dataclasses.replace(_point(), engine="native")
     b = amdahl(step_cost(K2T, low, P, 4.4), P, 4.4)
     assert b.overhead_fraction < a.overhead_fraction
+
+
+# ---- each component alone, against hand-computed bytes and FLOPs (Kimi K2-Thinking, TP 8,
+# C = 1, context 2048, B = 8, N = 8 -> M = 9; REFERENCE.md D shapes) ----
+EXPERT = 3 * 7168 * 2048  # 44,040,192 params
+ATTN = (7168 * 1536 + 1536 * 64 * 192) + (7168 * 576 + 512 * 64 * 256) + 64 * 128 * 7168
+TOUCHED_M9 = 384 * (1 - (1 - 8 / 384) ** 9)  # 66.28 experts
+LM_HEAD = 163840 * 7168
+VERIFY = cost.Forward(Stage.VERIFY, 9, 2048)
+
+
+def test_the_hand_computed_shapes():
+    assert ATTN == K2T.attention_params_per_layer == 101_122_048  # REFERENCE.md D: 101 M
+    assert TOUCHED_M9 == pytest.approx(66.3, abs=0.05)
+    assert K2T.kv_bytes_per_token_layer() == (512 + 64) * 2
+
+
+@pytest.mark.parametrize(
+    "make,stage,want_bytes,want_flops",
+    [
+        (lambda p, P: cost.routed_moe(K2T, p, P, VERIFY), Stage.VERIFY,
+         60 * TOUCHED_M9 * EXPERT * 0.5625 / 8, 2 * 9 * 8 * EXPERT * 60 / 8),
+        (lambda p, P: cost.attention(K2T, p, P, VERIFY), Stage.VERIFY,
+         61 * ATTN * 2 / 8 + 61 * 2048 * 1152,
+         2 * 9 * 61 * ATTN / 8 + 9 * 61 * (2048 + 9) * 2 * 64 * (2 * 512 + 64) / 8),
+        (lambda p, P: cost.shared_experts(K2T, p, P, VERIFY), Stage.VERIFY,
+         60 * EXPERT * 2 / 8, 2 * 9 * 60 * EXPERT / 8),
+        (lambda p, P: cost.dense_mlp(K2T, p, P, VERIFY), Stage.VERIFY,
+         1 * 3 * 7168 * 18432 * 2 / 8, 2 * 9 * 3 * 7168 * 18432 / 8),
+        (lambda p, P: cost.lm_head(K2T, p, P, VERIFY), Stage.VERIFY,
+         LM_HEAD * 2 / 8, 2 * 9 * LM_HEAD / 8),
+        (lambda p, P: cost.drafter_forward(K2T, p, P), Stage.DRAFT,
+         1.5e9 * 2 / 8 + 2048 * 12288 / 8 + LM_HEAD * 2 / 8,
+         2 * 8 * 1.5e9 / 8 + 2 * 7 * LM_HEAD / 8),
+        (lambda p, P: cost.topk(K2T, p, P), Stage.TOPK, 7 * 163840 * 4 * 3, 0.0),
+        (lambda p, P: cost.accept(K2T, p, P), Stage.ACCEPT, 9 * 163840 * 4, 0.0),
+        (lambda p, P: cost.kv_commit(K2T, p, P, 4.4), Stage.COMMIT, 4.4 * 61 * 1152 * 2, 0.0),
+    ],
+)  # fmt: skip
+def test_each_device_component_alone(make, stage, want_bytes, want_flops):
+    P = params_at(default_params())
+    c = make(_point(), P)
+    assert c.stage is stage
+    assert c.hbm_bytes == pytest.approx(want_bytes, rel=1e-9)
+    assert c.flops == pytest.approx(want_flops, rel=1e-9)
+
+
+def test_each_host_component_alone():
+    P = params_at(default_params())
+    p = _point(concurrency=2)
+    eng = cost.ENGINES["eager"]
+    assert cost.tree_build(p, P).seconds == pytest.approx(
+        2 * (eng.tree_fixed_s + 8 * eng.tree_per_node_s)
+    )
+    assert cost.verify_layout(p, P).stage is Stage.LAYOUT
+    assert cost.verify_layout(p, P).seconds == pytest.approx(
+        2 * (eng.layout_fixed_s + 8 * eng.layout_per_node_s)
+    )
+    assert cost.accept_walk(p, P).seconds == pytest.approx(2 * 8 * eng.accept_per_node_s)
+    # the sort of the K = min(N, V) kept candidates grows with the budget
+    sort8, sort64 = (cost.topk_sort(K2T, _point(budget=n), P) for n in (8, 64))
+    assert sort8.seconds == pytest.approx(7 * 8 * eng.topk_per_candidate_s)
+    assert sort64.seconds == pytest.approx(8 * sort8.seconds)
+    chain = _point(policy=Policy.CHAIN, budget=7)
+    assert cost.topk_sort(K2T, chain, P).seconds == pytest.approx(7 * eng.topk_per_candidate_s)
+    assert cost.framework_overhead(p, P).seconds == eng.step_overhead_s
+    ar = cost.tp_allreduce(K2T, _point(), P, VERIFY)
+    b300 = load_catalog()["b300"]
+    want = 2 * 61 * (b300.allreduce_latency_s + 2 * 7 / 8 * 9 * 7168 * 2 / b300.link_bytes_per_s)
+    assert ar.seconds == pytest.approx(want)
+
+
+def test_accept_reads_the_logits_once_per_token_not_per_request_squared():
+    # the old accept term was C x T x 4 B with T = M x C: concurrency counted twice, no vocab
+    P = params_at(default_params())
+    one, four = (cost.accept(K2T, _point(concurrency=c), P) for c in (1, 4))
+    assert four.hbm_bytes == pytest.approx(4 * one.hbm_bytes)
+    assert one.hbm_bytes == 9 * 163840 * 4
+
+
+def test_every_component_carries_a_stage_and_stages_cover_the_engine():
+    P = params_at(default_params())
+    comps = step_cost(K2T, _point(), P, 4.4).components
+    assert {c.stage for c in comps} == set(STEP_STAGES)
+    pre = cost.prefill_cost(K2T, _point(), P, 512)
+    assert {c.stage for c in pre.components} == {Stage.PREFILL}
+    assert pre.component("routed MoE").hbm_bytes == pytest.approx(
+        60 * experts_touched(384, 8, 512) * EXPERT * 0.5625 / 8
+    )
+
+
+def test_ar_is_the_target_forward_at_m_1_and_the_overhead():
+    P = params_at(default_params())
+    ar = step_cost(K2T, _point().as_ar(), P, 1.0)
+    assert {c.stage for c in ar.components} == {Stage.VERIFY, Stage.OTHER}
+    assert ar.component("routed MoE").hbm_bytes == pytest.approx(60 * 8 * EXPERT * 0.5625 / 8)
+    assert ar.point.verify_width == 1 and ar.point.drafter is None
+    spec = step_cost(K2T, _point(), P, 4.4)
+    assert spec.step_s > ar.step_s
+    with pytest.raises(ValueError, match="ar step has budget 0"):
+        _point(policy=Policy.AR)
+    with pytest.raises(ValueError, match="chain step has budget 7"):
+        _point(policy=Policy.CHAIN, budget=8)
+
+
+def test_graphs_profile_cuts_launches_not_device_time():
+    P = params_at(default_params())
+    eager = step_cost(K2T, _point(engine="eager"), P, 4.4)
+    graphs = step_cost(K2T, _point(engine="graphs"), P, 4.4)
+    assert graphs.step_s < eager.step_s
+    assert graphs.hbm_bytes == eager.hbm_bytes
+    launches = sum(c.launches for c in eager.components)
+    saved = launches * (P["eager.launch"] - P["graphs.launch"]) + (
+        P["eager.step_overhead"] - P["graphs.step_overhead"]
+    )
+    assert eager.step_s - graphs.step_s == pytest.approx(saved, rel=1e-6)

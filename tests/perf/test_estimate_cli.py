@@ -45,7 +45,7 @@ def test_seed_answers_reproduce_anchors_and_say_overheads_dominate():
     now = by["B300 now (block 8, budget 8)"]
     assert 13.5e-3 < float(now.point.step_s) < 15.5e-3
     moe = now.point.component("routed MoE")
-    moe_kernel_s = float(moe.seconds) - moe.launches * now.point_params["python.launch"]
+    moe_kernel_s = float(moe.seconds) - moe.launches * now.point_params["eager.launch"]
     assert 1.5e-3 < moe_kernel_s < 2.5e-3  # the seed: "MoE about 2 ms"
     assert "overheads dominate" in now.amdahl.statement
     strong = by["B300, stronger drafter (block 16, budget 32)"]
@@ -80,6 +80,9 @@ def test_cli_table_json_explain_report(capsys, tmp_path):
     assert "vs article" in md or "article" in md
 
 
+_ANCHOR = '[model]\npreset = "kimi-k2"\n[[anchor]]\nhardware="b300"\nblock_size=8\nbudget=8\n'
+_CASE = '[model]\npreset = "kimi-k2"\n[[scenario]]\nhardware="b300"\nblock_size=8\nbudget=7\n'
+
 BAD = [
     ('[model]\npreset = "gpt-9"\n', "model.preset"),
     ('[model]\npreset = "kimi-k2"\n[[anchor]]\nhardware="b300"\nblock_size=8\nbudget=8\ntau=4.4\n'
@@ -93,6 +96,28 @@ BAD = [
     ('[model]\npreset = "kimi-k2"\n[parameters]\nmoe_eff = 0.7\n', "parameters.moe_eff"),
     ('[model]\npreset = "kimi-k2"\n[[scenario]]\nhardware="b300"\nblock_size=8\nbudget=8\n'
      'tau=[16, 12]\n', "increasing"),
+    # issue 13: a rate of 0 died in a ZeroDivisionError, a negative one in "SVD did not
+    # converge"; tau outside [1, B] was accepted
+    (_ANCHOR + 'tau=4.4\ntokens_per_s = "0 tok/s"\n',
+     "anchor[0] (anchor0).tokens_per_s: '0 tok/s' must be a positive"),
+    (_ANCHOR + 'tau=4.4\ntokens_per_s = "-303 tok/s"\n', "tokens_per_s: '-303 tok/s' must be"),
+    (_ANCHOR + 'tau=4.4\nstep = "0 ms"\n', "anchor[0] (anchor0).step: '0 ms' must be"),
+    (_ANCHOR + 'tau=0.5\ntokens_per_s = "303 tok/s"\n', "anchor[0] (anchor0).tau: 0.5 is outside [1, 8]"),
+    (_ANCHOR + 'tau=9\ntokens_per_s = "303 tok/s"\n', "tau: 9 is outside [1, 8]"),
+    (_CASE + 'tau=[12, 20]\n', "scenario[0] (scenario0).tau: [12, 20] is outside [1, 8]"),
+    (_CASE + 'tau=4\npolicy="beam"\n', "scenario[0] (scenario0).policy: 'beam'; expected one of ar, chain, ddtree"),
+    (_ANCHOR + 'tau=4\npolicy="chain"\nstep = "10 ms"\n', "budget: a chain verifies the B-1 = 7"),
+    ('[model]\npreset = "kimi-k2"\n[[scenario]]\nhardware="b300"\npolicy="ar"\nbudget=4\n',
+     "budget: an ar step has no draft tree"),
+    ('[model]\npreset = "kimi-k2"\n[[scenario]]\nhardware="b300"\npolicy="ar"\ntau=2\n',
+     "tau: 2 is outside [1, 1]"),
+    (_CASE + 'tau=4\nengine="turbo"\n', "engine: 'turbo'; expected one of eager, graphs, native"),
+    (_ANCHOR + 'tau=4.4\ntokens_per_s = "303 tok/s"\nnoise = 2\n', "noise: expected a relative"),
+    ('[model]\npreset = "kimi-k2"\n[parameters]\nmoe_efficiency = -0.5\n',
+     "parameters.moe_efficiency: a parameter must be positive"),
+    ('[model]\npreset = "kimi-k2"\n[deployment]\ncontext = "-5 tok"\n[[scenario]]\n'
+     'hardware="b300"\nblock_size=8\nbudget=8\ntau=4\n', "context: '-5 tok' must be >= 0"),
+    ('[model]\npreset = "kimi-k2"\n[engine.eager]\nlaunch = "0 us"\n', "engine.eager.launch"),
 ]  # fmt: skip
 
 
@@ -103,8 +128,42 @@ def test_bad_scenarios_name_file_and_field(tmp_path, capsys, text, field):
     with pytest.raises(ScenarioError) as exc:
         load_scenario(path)
     assert str(path) in str(exc.value) and field in str(exc.value)
-    rc, _, err = _run(capsys, str(path))
-    assert rc == 2 and field in err
+    rc, _, err = _run(capsys, str(path), "--samples", "50")
+    assert rc == 2 and field in err and len(err.strip().splitlines()) == 1
+
+
+def test_policies_and_the_old_engine_name(tmp_path, capsys):
+    path = tmp_path / "p.toml"
+    path.write_text(
+        '[model]\npreset = "kimi-k2-thinking"\n[deployment]\ntp = 8\nengine = "python"\n'
+        "[drafter]\nparams = 1.5e9\nlayers = 3\n"
+        '[[scenario]]\nname = "ar"\nhardware = "b200"\npolicy = "ar"\n'
+        '[[scenario]]\nname = "chain"\nhardware = "b200"\npolicy = "chain"\nblock_size = 16\n'
+        "tau = 6\n"
+        '[[scenario]]\nname = "tree"\nhardware = "b200"\nblock_size = 16\nbudget = 32\n'
+        'tau = 7\nengine = "graphs"\n'
+    )
+    rc, out, err = _run(capsys, str(path), "--json", "--samples", "400")
+    assert rc == 0
+    assert "engine 'python' is now called 'eager'" in err
+    doc = json.loads(out)
+    by = {s["name"]: s for s in doc["scenarios"]}
+    assert by["ar"]["policy"] == "ar" and by["ar"]["speedup_vs_ar"] is None
+    assert by["ar"]["budget"] == 0 and by["ar"]["engine"] == "eager"
+    assert "drafter forward" not in by["ar"]["breakdown_s"]
+    assert by["chain"]["budget"] == 15 and "tree build" in by["chain"]["breakdown_s"]
+    for name in ("chain", "tree"):
+        sp, tps, ar = (by[name][k] for k in ("speedup_vs_ar", "tokens_per_s", "ar_tokens_per_s"))
+        assert sp["p10"] <= sp["p50"] <= sp["p90"]
+        assert sp["p50"] == pytest.approx(tps["p50"] / ar["p50"], rel=0.1)
+    # the ar step of the same hardware and engine mode: the chain's ar is the ar case
+    assert by["chain"]["ar_tokens_per_s"]["p50"] == pytest.approx(
+        by["ar"]["tokens_per_s"]["p50"], rel=0.1
+    )
+    assert by["tree"]["engine"] == "graphs"
+    assert by["tree"]["ar_tokens_per_s"]["p50"] > by["ar"]["tokens_per_s"]["p50"]
+    rc, out, _ = _run(capsys, str(path), "--samples", "300")
+    assert "speedup vs AR p10/p50/p90" in out
 
 
 def _records(tmp_path):

@@ -1,8 +1,15 @@
 import pytest
 
 from ddtree.perf import units as u
-from ddtree.perf.catalog import CatalogError, hardware_from_dict, load_catalog
+from ddtree.perf.catalog import (
+    CatalogError,
+    hardware_from_dict,
+    load_catalog,
+    match_gpu,
+    this_machine,
+)
 from ddtree.perf.model import PRESETS, ModelError, load_model, shape_from_config
+from ddtree.records import BenchBandwidth, HardwareInfo
 
 
 @pytest.mark.parametrize(
@@ -125,3 +132,47 @@ def test_shape_from_hf_config(tmp_path):
         shape_from_config({k: v for k, v in cfg.items() if k != "vocab_size"})
     with pytest.raises(ModelError, match="model.preset"):
         load_model({"preset": "gpt-9"}, "s.toml")
+
+
+@pytest.mark.parametrize(
+    "device,key",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 SXM5 80GB", "h100-sxm"),
+        ("NVIDIA H100 PCIe", None),  # not the SXM part (a first-word match said h100-sxm)
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA GB300", "gb300"),  # not a B300 (a substring match could say b300)
+        ("NVIDIA B300 SXM6 AC", "b300"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA GB200", None),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H200 NVL", None),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "rtx-pro-6000"),
+        ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", None),
+        ("AMD Instinct MI300X", "mi300x"),
+        ("NVIDIA A800-SXM4-80GB", "a800"),
+        ("NVIDIA A100-SXM4-80GB", None),
+    ],
+)
+def test_gpu_names_match_whole_words_of_one_entry(device, key):
+    hw = match_gpu(device)
+    assert (hw.key if hw else None) == key
+
+
+def _bandwidth_record(device, gpu=None, bytes_per_s=3.0e12):
+    hw = HardwareInfo(cpu_model="cpu", cpu_cores=16, gpu_name=gpu, gpu_count=1 if gpu else 0)
+    return BenchBandwidth(hardware=hw, device=device, method="read", bytes_per_s=bytes_per_s)
+
+
+def test_this_machine_on_a_gpu_takes_the_catalog_flops_and_the_measured_bandwidth():
+    # it used to take the CPU's assumed FMA peak for a CUDA device too
+    hw = this_machine([_bandwidth_record("cuda:0", "NVIDIA H100 80GB HBM3")])
+    h100 = load_catalog()["h100-sxm"]
+    assert hw.key == "this-machine" and hw.hbm_bytes_per_s == 3.0e12
+    assert hw.dense_flops == h100.dense_flops and hw.overlaps_memory_and_compute
+    assert hw.provenance["hbm_bandwidth"].kind == "measured"
+    assert hw.provenance["bf16_dense"].kind == "catalog"
+    with pytest.raises(CatalogError, match="'NVIDIA A100-SXM4-80GB', which is not in the"):
+        this_machine([_bandwidth_record("cuda", "NVIDIA A100-SXM4-80GB")])
+    cpu = this_machine([_bandwidth_record("cpu", bytes_per_s=2e10)])
+    assert cpu.provenance["bf16_dense"].kind == "assumed" and not cpu.overlaps_memory_and_compute

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         if args.backtest:
             sf = load(args.scenario, args.backtest)
             if args.scenario is None:  # hold out records only, not the bundled seed's anchors
-                sf.anchors = [a for a in sf.anchors if a.source.startswith("measured:")]
+                sf.anchors = [a for a in sf.anchors if a.from_records]
             bt = run_backtest(sf, args.train_budgets)
             if not bt.rows:
                 print(
@@ -76,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
                 print(report.backtest_text(bt))
             return 0
         sf = load(args.scenario, args.records)
+        for note in sf.notes:
+            print(f"note: {note}", file=sys.stderr)
         est = estimate(sf, args.samples, args.seed)
     except (ScenarioError, UnitError, CatalogError, ModelError, RecordError) as exc:
         print(f"ddtree estimate: {exc}", file=sys.stderr)

@@ -5,25 +5,32 @@ or the scenario). The fit minimises, in log space,
 
     sum_anchors (ln(predicted / measured) / sigma_anchor)^2 + sum_params ((ln p - ln p0) / sigma_p)^2
 
-with sigma_p = ln(high / low) / 4 (the range is about +-2 sigma). With few anchors the
-priors hold the unconstrained parameters where they were, so any subset of anchors gives an
-answer; the Laplace covariance (J^T J)^-1 of the same problem is the uncertainty the Monte
-Carlo samples, with the correlations the anchors impose (a larger overhead goes with a
-higher efficiency when both must reproduce one step time).
+with sigma_anchor its relative measurement noise (``noise``) and sigma_p = ln(high / low) / 4
+(the range is about +-2 sigma). With few anchors the priors hold the unconstrained
+parameters where they were, so any subset of anchors gives an answer; the Laplace
+covariance (J^T J)^-1 of the same problem is the uncertainty the Monte Carlo samples, with
+the correlations the anchors impose (a larger overhead goes with a higher efficiency when
+both must reproduce one step time). When the anchors disagree with each other more than
+their noise allows, the covariance is widened by the misfit per degree of freedom: the
+anchors' chi-square over (anchors - effective parameters), the latter the trace of the
+anchors' share of the fit (hat matrix), so a fit with as many free parameters as anchors is
+not called precise.
+
+The model is not linear in the parameters, so the Laplace Gaussian is only a proposal:
+``posterior_samples`` weights its draws by the true posterior over the proposal
+(importance resampling), which keeps a calibrated case on its own anchor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ddtree.perf.cost import ParamSpec, moe_layer_s, prefill_cost, step_cost
 from ddtree.perf.scenario import Anchor, MoeAnchor, StageAnchor, StepAnchor
 from ddtree.records import Stage
-
-ANCHOR_SIGMA = 0.01  # relative measurement noise assumed for an anchor
 
 
 @dataclass
@@ -43,10 +50,15 @@ class Calibration:
     names: list[str]  # parameters that were free (in the order of ``mean_log`` / ``cov_log``)
     values: dict[str, float]  # all parameters (free fitted + fixed)
     mean_log: np.ndarray  # [K] ln of the fitted free parameters
-    cov_log: np.ndarray  # [K, K] Laplace covariance in log space
+    cov_log: np.ndarray  # [K, K] Laplace covariance in log space (widened by the misfit)
     prior_sd_log: np.ndarray  # [K]
     residuals: list[Residual]
     anchors_used: list[str]
+    prior_mean_log: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [K]
+    anchors: list = field(default_factory=list)  # the anchors themselves (for resampling)
+    misfit_scale: float = 1.0  # chi-square per degree of freedom, when > 1 (else 1)
+    effective_params: float = 0.0  # trace of the anchors' hat matrix
+    fixed: dict[str, float] = field(default_factory=dict)
 
     def status(self, name: str) -> str:
         """'fitted', 'partly fitted' (the anchors tie it to others) or 'prior'."""
@@ -98,6 +110,11 @@ def _bounds(spec: ParamSpec) -> tuple[float, float]:
     return np.log(max(spec.low / 10, 1e-12)), np.log(hi)
 
 
+def _log_residuals(anchors: Sequence[Anchor], params: dict) -> list:
+    """ln(predicted / measured) / noise per anchor (each broadcasts over parameter samples)."""
+    return [np.log(np.asarray(predict(a, params)[1]) / measured(a)) / a.noise for a in anchors]
+
+
 def calibrate(
     anchors: Sequence[Anchor],
     specs: dict[str, ParamSpec],
@@ -106,17 +123,17 @@ def calibrate(
 ) -> Calibration:
     """Fit every parameter not in ``fixed`` (MAP with log-normal priors, Levenberg-Marquardt)."""
     fixed = dict(fixed or {})
+    anchors = list(anchors)
     names = [n for n in specs if n not in fixed]
     mu0 = np.log([specs[n].default for n in names])  # [K]
     sd0 = np.array([max(np.log(specs[n].high / specs[n].low) / 4, 1e-3) for n in names])
     lo, hi = np.array([_bounds(specs[n]) for n in names]).reshape(-1, 2).T
-    meas = np.array([measured(a) for a in anchors], dtype=float)  # [A]
+    n_a = len(anchors)
 
     def residuals(theta: np.ndarray) -> np.ndarray:
         # theta: [K, S] (S candidate parameter vectors evaluated together) -> [A + K, S]
         params = {**fixed, **{n: np.exp(theta[i]) for i, n in enumerate(names)}}
-        rows = [np.log(np.asarray(predict(a, params)[1]) / m) / ANCHOR_SIGMA for a, m in
-                zip(anchors, meas, strict=True)]  # fmt: skip
+        rows = _log_residuals(anchors, params)
         rows += [(theta[i] - mu0[i]) / sd0[i] for i in range(len(names))]
         return np.array([np.broadcast_to(r, theta.shape[1:]) for r in rows])
 
@@ -127,12 +144,16 @@ def calibrate(
         r = residuals(cols)  # [A+K, K+1]
         return r[:, 0], (r[:, 1:] - r[:, :1]) / eps
 
+    def result(theta, cov, scale=1.0, k_eff=0.0) -> Calibration:
+        values = {**fixed, **{n: float(np.exp(theta[i])) for i, n in enumerate(names)}}
+        res = [Residual(a.name, predict(a, values)[0], measured(a), float(predict(a, values)[1]))
+               for a in anchors]  # fmt: skip
+        return Calibration(names, values, theta, cov, sd0, res, [a.name for a in anchors],
+                           mu0, anchors, scale, k_eff, fixed)  # fmt: skip
+
     theta = np.clip(mu0.copy(), lo, hi)
     if not names:
-        values = dict(fixed)
-        res = [Residual(a.name, predict(a, values)[0], m, float(predict(a, values)[1]))
-               for a, m in zip(anchors, meas, strict=True)]  # fmt: skip
-        return Calibration([], values, theta, np.zeros((0, 0)), sd0, res, [a.name for a in anchors])
+        return result(theta, np.zeros((0, 0)))
     lam = 1e-3
     r, J = jac(theta)
     cost = float(r @ r)
@@ -153,17 +174,56 @@ def calibrate(
             lam *= 4
             if lam > 1e8:
                 break
-    cov = np.linalg.pinv(J.T @ J)
-    n_a = len(anchors)
-    if n_a > len(names):  # more anchors than parameters: widen by the misfit
-        cov *= max(1.0, cost / max(n_a - 0, 1))
-    values = {**fixed, **{n: float(np.exp(theta[i])) for i, n in enumerate(names)}}
-    preds = [float(predict(a, values)[1]) for a in anchors]
-    res = [
-        Residual(a.name, predict(a, values)[0], m, p)
-        for a, m, p in zip(anchors, meas, preds, strict=True)
-    ]
-    return Calibration(names, values, theta, cov, sd0, res, [a.name for a in anchors])
+    J_a, J_p = J[:n_a], J[n_a:]
+    scale, k_eff = misfit_scale(r[:n_a], J_a, np.linalg.pinv(J.T @ J))
+    # the anchors say less when they disagree among themselves: deflate their information
+    # (not the priors') by the misfit
+    cov = np.linalg.pinv(J_a.T @ J_a / scale + J_p.T @ J_p)
+    return result(theta, cov, scale, k_eff)
+
+
+def misfit_scale(
+    anchor_r: np.ndarray, anchor_J: np.ndarray, cov: np.ndarray
+) -> tuple[float, float]:
+    """(widening, effective parameters) of a fit: the anchors' chi-square per degree of
+    freedom, ``sum r_a^2 / (A - k_eff)`` when above 1, where ``k_eff = trace(J_a cov J_a^T)``
+    is how many parameters the anchors (not the priors) pinned down. No widening when the
+    anchors leave no degree of freedom (A - k_eff < 0.5): the misfit cannot be measured."""
+    k_eff = float(np.trace(anchor_J @ cov @ anchor_J.T)) if len(anchor_r) else 0.0
+    dof = len(anchor_r) - k_eff
+    if dof < 0.5:
+        return 1.0, k_eff
+    return max(1.0, float(anchor_r @ anchor_r) / dof), k_eff
+
+
+def posterior_samples(cal: Calibration, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """``n`` parameter vectors from the calibration's posterior, ``{name: [n]}``.
+
+    Draws from the Laplace Gaussian (the proposal), then resamples them with weights
+    posterior / proposal, the posterior being the fit's own objective (anchor residuals over
+    their noise, widened by ``misfit_scale``, plus the priors). Where the model is close to
+    linear the weights are flat and this is the Gaussian; where it is not (a sum of terms
+    that each fall as 1 / efficiency), it removes the Gaussian's bias, so a case at an
+    anchor's configuration centres on that anchor.
+    """
+    out = {k: np.full(n, v, dtype=float) for k, v in cal.values.items()}
+    if not cal.names:
+        return out
+    draws = rng.multivariate_normal(cal.mean_log, cal.cov_log, size=n, method="eigh")  # [n, K]
+    if cal.anchors:
+        params = {**cal.fixed, **{nm: np.exp(draws[:, i]) for i, nm in enumerate(cal.names)}}
+        chi2_a = sum(r**2 for r in _log_residuals(cal.anchors, params)) / cal.misfit_scale
+        chi2_p = (((draws - cal.prior_mean_log) / cal.prior_sd_log) ** 2).sum(axis=1)
+        d = draws - cal.mean_log
+        chi2_q = np.einsum("ni,ij,nj->n", d, np.linalg.pinv(cal.cov_log), d)
+        log_w = -0.5 * (chi2_a + chi2_p - chi2_q)
+        w = np.exp(log_w - log_w.max())
+        draws = draws[rng.choice(n, size=n, p=w / w.sum())]
+    for i, name in enumerate(cal.names):
+        out[name] = np.exp(draws[:, i])
+        if name.split("@")[0].endswith("efficiency"):
+            out[name] = np.minimum(out[name], 1.0)
+    return out
 
 
 @dataclass

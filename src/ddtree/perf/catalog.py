@@ -8,6 +8,7 @@ used by the cost model.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -28,6 +29,7 @@ _FIGURES: dict[str, Dim] = {
     **{f"{p}_sparse": FLOP_RATE for p in PRECISIONS},
 }
 _TEXT_FIELDS = ("name", "interconnect", "base")
+_LIST_FIELDS = ("match",)
 
 
 class CatalogError(ValueError):
@@ -59,6 +61,9 @@ class Hardware:
     # FLOPs / rate). False (a CPU thread running small eager GEMMs): it streams the operands,
     # then computes, time = bytes / bw + FLOPs / rate (assumed; what this machine's records fit)
     overlaps_memory_and_compute: bool = True
+    # device names (as torch / nvidia-smi report them) this entry stands for: each pattern is
+    # words that must all appear as whole words; "!word" must not appear (see ``match_gpu``)
+    match: tuple[str, ...] = ()
 
     def peak_flops(self, precision: str) -> float:
         """Dense FLOP/s for a compute precision; falls back to the next wider one."""
@@ -91,12 +96,15 @@ def hardware_from_dict(
     default_kind: str = "catalog",
 ) -> Hardware:
     """Build a Hardware from a TOML table; ``base`` supplies any figure not given."""
-    unknown = set(entry) - set(_FIGURES) - set(_TEXT_FIELDS)
+    unknown = set(entry) - set(_FIGURES) - set(_TEXT_FIELDS) - set(_LIST_FIELDS)
     if unknown:
         raise CatalogError(
             f"{where}: hardware.{key} has unknown field(s) {', '.join(sorted(unknown))}; "
-            f"known: {', '.join(list(_TEXT_FIELDS) + list(_FIGURES))}"
+            f"known: {', '.join(list(_TEXT_FIELDS) + list(_LIST_FIELDS) + list(_FIGURES))}"
         )
+    match = entry.get("match", base.match if base else ())
+    if not isinstance(match, (list, tuple)) or not all(isinstance(m, str) for m in match):
+        raise CatalogError(f"{where}: hardware.{key}.match must be a list of strings")
     vals: dict[str, float] = {}
     prov: dict[str, Provenance] = dict(base.provenance) if base else {}
     if base is not None:
@@ -148,7 +156,38 @@ def hardware_from_dict(
         link_bytes_per_s=vals["link_bandwidth"],
         allreduce_latency_s=vals["allreduce_latency"],
         provenance=prov,
+        match=tuple(match),
     )
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def _pattern_score(pattern: str, words: set[str]) -> int:
+    """How many words of ``pattern`` the device name has (0: the pattern does not match)."""
+    need = pattern.lower().split()
+    if any(w[1:] in words for w in need if w.startswith("!")):
+        return 0
+    want = [w for w in need if not w.startswith("!")]
+    return len(want) if all(w in words for w in want) else 0
+
+
+def match_gpu(device_name: str, catalog: dict[str, Hardware] | None = None) -> Hardware | None:
+    """The catalog entry for a device name such as ``"NVIDIA H100 80GB HBM3"``, or None.
+
+    Whole words only ("GB300" is not a "B300"), every word of one of the entry's ``match``
+    patterns present, none of its ``!`` words ("H100 PCIe" is not the SXM part). The entry
+    whose best pattern matches the most words wins; a tie between entries is no match.
+    """
+    words = _words(device_name)
+    scores = {
+        key: max((_pattern_score(p, words) for p in hw.match), default=0)
+        for key, hw in (catalog or load_catalog()).items()
+    }
+    best = max(scores.values(), default=0)
+    winners = [k for k, v in scores.items() if v == best and v > 0]
+    return (catalog or load_catalog())[winners[0]] if len(winners) == 1 else None
 
 
 def load_catalog() -> dict[str, Hardware]:
@@ -165,36 +204,47 @@ CPU_THREAD_PEAK_FLOPS = 2 * 8 * 2 * 3.0e9  # FLOP/s per thread, float32 AVX2 FMA
 def this_machine(records: list) -> Hardware | None:
     """A Hardware for this machine from ``bench_bandwidth`` records (highest bytes/s wins).
 
-    Only the bandwidth is measured; FLOP/s and interconnect are assumptions, labelled as
-    such, so calibration fits ``compute_efficiency@this-machine``: a CPU thread's float32 FMA
-    peak is taken as CPU_THREAD_PEAK_FLOPS (two 256-bit FMA units: 2 x 8 lanes x 2 FLOPs per
-    cycle at ~3 GHz), times the threads the benchmark ran with (its cores when not recorded).
+    Only the bandwidth is measured. On a CPU, FLOP/s and interconnect are assumptions,
+    labelled as such, so calibration fits ``compute_efficiency@this-machine``: a CPU thread's
+    float32 FMA peak is taken as CPU_THREAD_PEAK_FLOPS (two 256-bit FMA units: 2 x 8 lanes x
+    2 FLOPs per cycle at ~3 GHz), times the threads the benchmark ran with (its cores when not
+    recorded). On a GPU the catalog entry of that GPU (``match_gpu``) gives every figure but
+    the bandwidth; a GPU the catalog does not know is an error (its FLOP/s would be a guess).
     """
     bw = [r for r in records if isinstance(r, BenchBandwidth)]
     if not bw:
         return None
     best = max(bw, key=lambda r: r.bytes_per_s)
-    device = best.device
-    cores = best.hardware.cpu_cores
-    threads = best.threads or cores or 1
-    flops = CPU_THREAD_PEAK_FLOPS * threads
-    label = best.hardware.gpu_name if device.startswith("cuda") else best.hardware.cpu_model
+    measured = Provenance("measured", f"ddtree bench bandwidth ({best.method}, {best.created_utc})")
+    if best.device.startswith("cuda"):
+        gpu = best.hardware.gpu_name or ""
+        entry = match_gpu(gpu)
+        if entry is None:
+            raise CatalogError(
+                f"records: bench_bandwidth ran on GPU {gpu!r}, which is not in the hardware "
+                "catalog; its FLOP/s are unknown (add it to ddtree/perf/data/hardware.toml)"
+            )
+        return replace(
+            entry,
+            key="this-machine",
+            name=f"this machine ({gpu}, {best.device}; catalog {entry.key})",
+            hbm_bytes_per_s=best.bytes_per_s,
+            provenance={**entry.provenance, "hbm_bandwidth": measured},
+        )
+    threads = best.threads or best.hardware.cpu_cores or 1
     return Hardware(
         key="this-machine",
-        name=f"this machine ({label}, {device})",
+        name=f"this machine ({best.hardware.cpu_model}, {best.device})",
         memory_bytes=0.0,
         hbm_bytes_per_s=best.bytes_per_s,
-        dense_flops={"bf16": flops},
+        dense_flops={"bf16": CPU_THREAD_PEAK_FLOPS * threads},
         sparse_flops={},
         interconnect="none (single device)",
         link_bytes_per_s=0.0,
-        overlaps_memory_and_compute=device.startswith("cuda"),
+        overlaps_memory_and_compute=False,
         allreduce_latency_s=0.0,
         provenance={
-            "hbm_bandwidth": Provenance(
-                "measured",
-                f"ddtree bench bandwidth ({best.method}, {best.created_utc})",
-            ),
+            "hbm_bandwidth": measured,
             "bf16_dense": Provenance(
                 "assumed",
                 f"{threads} thread(s) x {CPU_THREAD_PEAK_FLOPS / 1e9:.0f} GFLOP/s float32 FMA "

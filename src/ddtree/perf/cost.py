@@ -18,6 +18,17 @@ tagged with it. The target forward (``TARGET_FORWARD``) is costed for a ``Forwar
 verify (M tokens per request over the cached context) or the prefill (the prompt, no
 context).
 
+Policies (``ddtree.records.Policy``): ``ar`` is the target forward at M = 1 and the step
+overhead, nothing else (no drafter, top-k, tree or acceptance); ``chain`` is a tree of budget
+B-1 with one candidate per depth (K = 1: an argmax); ``ddtree`` takes K = min(N, V) candidates
+per depth, as the published code does.
+
+Engine modes are ``EngineProfile``s (``ENGINES``): ``eager`` (Python dispatch per kernel),
+``graphs`` (CUDA-graph replay: a launch costs a fraction, a per-step host cost remains) and
+``native`` (graph replay with the tree built on the device). Their host figures are
+parameters ``<profile>.<what>`` (``ENGINE_PARAMS``), fitted per profile to the anchors that
+ran in it; device efficiencies are shared by every profile.
+
 Every input may be a float or a numpy array (Monte Carlo samples); outputs broadcast.
 """
 
@@ -31,7 +42,7 @@ import numpy as np
 
 from ddtree.perf.catalog import Hardware
 from ddtree.perf.model import COMPUTE_PRECISION, PRECISION_BYTES, ModelShape
-from ddtree.records import Stage
+from ddtree.records import Policy, Stage
 
 # Kernels per layer in one forward, for launch overhead (assumed: an eager PyTorch/SGLang
 # MLA+MoE layer; a fused native engine launches fewer, which its lower launch_s stands for).
@@ -92,11 +103,12 @@ BASE_PARAMS: dict[str, ParamSpec] = {
 }  # fmt: skip
 
 
-# Host-side engine parameters (EngineProfile fields without the ``_s``), with how wide their
-# prior is (factor below and above the default) and what they stand for.
-HOST_PARAMS: dict[str, tuple[float, str]] = {
+# Engine parameters (``EngineProfile`` fields without the ``_s``): how wide their prior is
+# (a factor below and above the default) and what they stand for.
+ENGINE_PARAMS: dict[str, tuple[float, str]] = {
     "step_overhead": (3, "host overhead per step"),
     "launch": (2, "time per kernel launch"),
+    "topk_per_candidate": (3, "top-k cost per candidate kept, per drafted position"),
     "tree_fixed": (2, "tree build, fixed part"),
     "tree_per_node": (2, "tree build per draft node"),
     "layout_fixed": (3, "verify layout (positions + ancestor mask), fixed part"),
@@ -107,59 +119,77 @@ HOST_PARAMS: dict[str, tuple[float, str]] = {
 
 @dataclass(frozen=True)
 class EngineProfile:
-    """Host-side behaviour of an engine; every figure is an assumption until calibrated."""
+    """Host-side behaviour of an engine mode; every figure is an assumption until calibrated."""
 
     name: str
     step_overhead_s: float  # per step: Python dispatch, sampling glue, scheduler
-    launch_s: float  # per kernel launch (eager dispatch; ~graph replay when native)
+    launch_s: float  # per kernel launch (eager dispatch; graph replay per kernel node)
+    topk_per_candidate_s: float  # per candidate kept per drafted position (sort cost)
     tree_fixed_s: float  # per request per step: top-k copy to host + heap setup (or GPU kernel)
     tree_per_node_s: float  # per draft node
-    layout_fixed_s: float = 0.0  # per request per step: positions + ancestor-only mask
-    layout_per_node_s: float = 0.0
-    accept_per_node_s: float = 0.0  # host walk over the verified tree, per draft node
-    fit_step_overhead: bool = False  # fitted to anchors by default (the engine anchors ran in)
+    layout_fixed_s: float  # per request per step: positions + ancestor-only mask
+    layout_per_node_s: float
+    accept_per_node_s: float  # walk over the verified tree, per draft node
     about: str = ""
 
     def specs(self) -> dict[str, ParamSpec]:
         out = {}
-        for what, (width, about) in HOST_PARAMS.items():
+        for what, (width, about) in ENGINE_PARAMS.items():
             name = engine_param(self.name, what)
             default = getattr(self, f"{what}_s")
-            fit = self.fit_step_overhead and what == "step_overhead"
             out[name] = ParamSpec(
-                name, default, default / width, default * width, "s", fit,
+                name, default, default / width, default * width, "s", what == "step_overhead",
                 f"{self.name} engine: {about}",
             )  # fmt: skip
         return out
 
 
+_HOST_TREE = dict(
+    tree_fixed_s=100e-6,
+    tree_per_node_s=3e-6,
+    layout_fixed_s=30e-6,
+    layout_per_node_s=0.3e-6,
+    accept_per_node_s=0.2e-6,
+)
+_HOST_TREE_ABOUT = (
+    "tree built on the CPU (heap ~90 µs at N=32, ~3 µs per node at N=1024: DESIGN.md)"
+)
+
 ENGINES: dict[str, EngineProfile] = {
-    "python": EngineProfile(
-        "python",
+    "eager": EngineProfile(
+        "eager",
         step_overhead_s=5e-3,
         launch_s=5e-6,
-        tree_fixed_s=100e-6,
-        tree_per_node_s=3e-6,
-        layout_fixed_s=30e-6,
-        layout_per_node_s=0.3e-6,
-        accept_per_node_s=0.2e-6,
-        fit_step_overhead=True,
-        about="eager PyTorch/SGLang-style engine: Python dispatch per kernel, tree built on "
-        "the CPU (heap ~90 µs at N=32, ~3 µs per node at N=1024: DESIGN.md facts)",
+        topk_per_candidate_s=2e-9,
+        **_HOST_TREE,
+        about="eager PyTorch (HF transformers, the seed's SGLang DDTree path): Python dispatch "
+        f"per kernel, {_HOST_TREE_ABOUT}",
+    ),
+    "graphs": EngineProfile(
+        "graphs",
+        step_overhead_s=0.5e-3,
+        launch_s=1.5e-6,
+        topk_per_candidate_s=2e-9,
+        **_HOST_TREE,
+        about="CUDA-graph replay (SGLang/vLLM decode, torch.compile): a kernel costs a graph "
+        f"node, not a Python dispatch; a per-step host cost remains; {_HOST_TREE_ABOUT}",
     ),
     "native": EngineProfile(
         "native",
         step_overhead_s=0.3e-3,
-        launch_s=1.5e-6,
+        launch_s=1e-6,
+        topk_per_candidate_s=2e-9,
         tree_fixed_s=15e-6,
         tree_per_node_s=0.05e-6,
         layout_fixed_s=3e-6,
         layout_per_node_s=0.01e-6,
         accept_per_node_s=0.01e-6,
-        about="native C++/CUDA engine: graph-replayed kernels, tree built on the GPU "
-        "(assumed; no anchor)",
+        about="native C++/CUDA engine: graph-replayed kernels, tree built and walked on the "
+        "GPU (assumed; no anchor)",
     ),
 }
+ENGINE_ALIASES = {"python": "eager"}
+"""Old profile names still accepted in scenario files (with a note)."""
 
 
 def default_params(engines: dict[str, EngineProfile] | None = None) -> dict[str, ParamSpec]:
@@ -194,10 +224,22 @@ class Point:
     engine: str
     drafter: Drafter | None
     experts_curve: tuple[tuple[float, float], ...] | None = None  # (tokens, experts) measured
+    policy: Policy = Policy.DDTREE
+
+    def __post_init__(self) -> None:
+        want = {Policy.AR: 0, Policy.CHAIN: self.block_size - 1}.get(self.policy)
+        if want is not None and self.budget != want:
+            raise ValueError(f"a {self.policy} step has budget {want}, got {self.budget}")
+        if self.policy is Policy.DDTREE and self.budget < 1:
+            raise ValueError(f"a ddtree step needs budget >= 1, got {self.budget}")
 
     @property
     def verify_width(self) -> int:
         return self.budget + 1
+
+    def as_ar(self) -> Point:
+        """The autoregressive step on the same hardware, TP, context and engine mode."""
+        return replace(self, policy=Policy.AR, budget=0, block_size=1, drafter=None)
 
 
 @dataclass(frozen=True)
@@ -260,12 +302,13 @@ def param_for(params: dict, name: str, hw: Hardware):
 
 
 def scoped_specs(
-    specs: dict[str, ParamSpec], hardware_key: str, engines: tuple[str, ...] = ("python",)
+    specs: dict[str, ParamSpec], hardware_key: str, engines: tuple[str, ...] = ("eager",)
 ) -> dict[str, ParamSpec]:
     """Parameters of their own for one hardware entry (e.g. ``this-machine``), so CPU
-    measurements do not pull the GPU ones: the efficiencies, and the host costs of the
-    engines that ran there (free, fitted to the records' stage timings; the prior is wide
-    because a CPU eager op is not a GPU launch)."""
+    measurements do not pull the GPU ones: the efficiencies, the engine parameters of the
+    profiles that ran there (free, fitted to the records' stage timings; the prior is wide
+    because a CPU eager op is not a GPU launch), and ``score_passes`` (our engine's attention
+    materialises its fp32 scores; GPU serving kernels are fused and have none)."""
     out = dict(specs)
     for name in EFFICIENCIES:
         base = specs[name]
@@ -273,7 +316,7 @@ def scoped_specs(
             base, name=f"{name}@{hardware_key}", about=f"{base.about} (on {hardware_key})"
         )
     for eng in engines:
-        for what in HOST_PARAMS:
+        for what in ENGINE_PARAMS:
             base = specs.get(engine_param(eng, what))
             if base is None:
                 continue
@@ -282,6 +325,13 @@ def scoped_specs(
                 base, name=scoped, low=base.default / 100, high=base.default * 100, fit=True,
                 about=f"{base.about} (on {hardware_key})",
             )  # fmt: skip
+    scores = f"score_passes@{hardware_key}"
+    out[scores] = ParamSpec(
+        scores, 9.0, 6.0, 12.0, "", True,
+        "fp32 passes over the materialised attention scores [H, M, S+M] in ddtree's eager MLA "
+        "(scale: read + write, mask add: read + write, softmax: 3 reads + 1 write, value matmul: "
+        f"1 read = 9; 6-12 allowed) on {hardware_key}",
+    )  # fmt: skip
     return out
 
 
@@ -346,6 +396,17 @@ def moe_layer_s(model: ModelShape, hw: Hardware, m, params: dict, tp: int = 1, c
 _DEVICE_RULE = "1 / HBM bandwidth (memory-bound) or 1 / dense FLOP/s (compute-bound)"
 
 
+def _stream(
+    name: str, stage: Stage, pt: Point, params: dict, nbytes, launches: float, formula: str
+) -> Component:
+    """A component that streams large contiguous buffers (logits, attention scores) once per
+    pass: bytes at the peak bandwidth, plus its kernel launches."""
+    secs = nbytes / pt.hardware.hbm_bytes_per_s
+    secs = secs + launches * engine_value(params, pt.engine, "launch", pt.hardware)
+    return Component(name, stage, secs, float(np.mean(nbytes)), 0.0, launches, Bound.MEMORY,
+                     "1 / HBM bandwidth (streaming at peak)", formula)  # fmt: skip
+
+
 def _device(
     name: str,
     stage: Stage,
@@ -399,6 +460,21 @@ def attention(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Compo
         COMPUTE_PRECISION[model.precision["attention"]], L * KERNELS["attention"],
         "L x attn params x bytes/param / TP + C x L x context x KV bytes/token "
         "(FLOPs 2 x M x C x L x attn params + M x C x L x (context + M) x FLOPs/query-key)",
+    )  # fmt: skip
+
+
+def attention_scores(model: ModelShape, pt: Point, params: dict, fwd: Forward):
+    """Memory traffic of a materialised fp32 score matrix ``[H, M, S + M]`` per layer and
+    request (an unfused eager softmax): ``score_passes`` reads/writes of it. Only where the
+    parameters carry ``score_passes@<hardware>`` (this machine); fused GPU attention has none."""
+    passes = params.get(f"score_passes@{pt.hardware.key}")
+    if passes is None:
+        return None
+    heads = model.num_heads / min(pt.tp, model.num_heads)
+    scores = pt.concurrency * model.num_layers * heads * fwd.width * (fwd.context + fwd.width)
+    return _stream(
+        "attention scores", fwd.stage, pt, params, scores * 4.0 * passes, 0.0,
+        "C x L x heads/TP x M x (context + M) x 4 B x score passes (unfused softmax)",
     )  # fmt: skip
 
 
@@ -473,6 +549,7 @@ def tp_allreduce(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Co
 
 TARGET_FORWARD: tuple[Callable[..., Component | None], ...] = (
     attention,
+    attention_scores,
     routed_moe,
     shared_experts,
     dense_mlp,
@@ -511,12 +588,28 @@ def drafter_forward(model: ModelShape, pt: Point, params: dict) -> Component | N
     )  # fmt: skip
 
 
+def candidates(model: ModelShape, pt: Point) -> int:
+    """K, the candidates per depth taken from the drafter: 1 for chain, min(N, V) for ddtree."""
+    return 1 if pt.policy is Policy.CHAIN else min(pt.budget, model.vocab_size)
+
+
 def topk(model: ModelShape, pt: Point, params: dict) -> Component:
-    """Top-k over the (B-1) x V drafter logits (float32), on the GPU."""
-    return _device(
+    """log-softmax + top-K over the (B-1) x V drafter logits (float32): three passes."""
+    return _stream(
         "top-k over (B-1) x V", Stage.TOPK, pt, params,
-        pt.concurrency * (pt.block_size - 1) * model.vocab_size * 4.0, 0.0, "bf16",
-        KERNELS["topk"], "C x (B-1) x vocab x 4 B / HBM bw",
+        pt.concurrency * (pt.block_size - 1) * model.vocab_size * 4.0 * 3, KERNELS["topk"],
+        "C x (B-1) x vocab x 4 B x 3 (log-softmax read + write, top-k read) / HBM bw",
+    )  # fmt: skip
+
+
+def topk_sort(model: ModelShape, pt: Point, params: dict) -> Component:
+    """The top-k's selection and sort of the K kept candidates: grows with the budget (K =
+    min(N, V) for ddtree)."""
+    per = engine_value(params, pt.engine, "topk_per_candidate", pt.hardware)
+    rows = pt.concurrency * (pt.block_size - 1)
+    return _host(
+        "top-k sort over K", Stage.TOPK, pt, rows * candidates(model, pt) * per,
+        "C x (B-1) x K x per candidate",
     )  # fmt: skip
 
 
@@ -539,10 +632,10 @@ def verify_layout(pt: Point, params: dict) -> Component:
 
 
 def accept(model: ModelShape, pt: Point, params: dict) -> Component:
-    return _device(
-        "accept", Stage.ACCEPT, pt, params,
-        pt.concurrency * pt.concurrency * pt.verify_width * 4.0, 0.0, "bf16", KERNELS["accept"],
-        "argmax / compare over the tree, a few kernels",
+    """The target's token at every tree node: an argmax over the verify logits [C x M, V]."""
+    return _stream(
+        "accept", Stage.ACCEPT, pt, params, pt.concurrency * pt.verify_width * model.vocab_size
+        * 4.0, KERNELS["accept"], "C x M x vocab x 4 B (argmax over the fp32 logits) / HBM bw",
     )  # fmt: skip
 
 
@@ -591,21 +684,27 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
     """Cost one step. ``params`` maps every name in ``default_params()`` to a value (or array).
 
     ``tau`` only enters the KV commit (bytes moved per accepted token); it may be None (0).
+    An ``ar`` step is the target forward at M = 1 and the framework overhead.
     """
     _check(pt)
     verify = Forward(Stage.VERIFY, pt.verify_width, pt.context_tokens)
     comps = target_forward(model, pt, params, verify)
-    rest = [
-        drafter_forward(model, pt, params),
-        topk(model, pt, params),
-        tree_build(pt, params),
-        verify_layout(pt, params),
-        accept(model, pt, params),
-        accept_walk(pt, params),
-        kv_commit(model, pt, params, tau),
-        framework_overhead(pt, params),
-    ]
-    return _total(pt, comps + [c for c in rest if c is not None])
+    if pt.policy is not Policy.AR:
+        comps += [
+            c
+            for c in (
+                drafter_forward(model, pt, params),
+                topk(model, pt, params),
+                topk_sort(model, pt, params),
+                tree_build(pt, params),
+                verify_layout(pt, params),
+                accept(model, pt, params),
+                accept_walk(pt, params),
+                kv_commit(model, pt, params, tau),
+            )
+            if c is not None
+        ]
+    return _total(pt, [*comps, framework_overhead(pt, params)])
 
 
 def prefill_cost(model: ModelShape, pt: Point, params: dict, prompt_tokens: float) -> StepCost:

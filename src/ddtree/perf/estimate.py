@@ -9,7 +9,7 @@ from pathlib import Path
 from ddtree.perf.calibrate import Backtest, Calibration, backtest, calibrate
 from ddtree.perf.cost import scoped_specs
 from ddtree.perf.fromrecords import anchors_from_records
-from ddtree.perf.scenario import ScenarioFile, load_scenario
+from ddtree.perf.scenario import ScenarioFile, StepAnchor, load_scenario
 from ddtree.perf.uncertainty import CaseResult, run_case
 from ddtree.records import read_records
 
@@ -47,7 +47,9 @@ def load(path: str | Path | None, records: list[str] | None = None) -> ScenarioF
     sf = load_scenario(path, {"this-machine": machine} if machine else None)
     sf.anchors.extend(rec_anchors)
     if machine is not None:
-        sf.specs = scoped_specs(sf.specs, machine.key)
+        ran_here = sorted({a.point.engine for a in rec_anchors if isinstance(a, StepAnchor)
+                           and a.point.hardware.key == machine.key})  # fmt: skip
+        sf.specs = scoped_specs(sf.specs, machine.key, tuple(ran_here or ["eager"]))
     return sf
 
 
@@ -66,7 +68,7 @@ def estimate(sf: ScenarioFile, samples: int = 10_000, seed: int = 0) -> Estimate
         run_case(sf.model, case, cal_for(case.anchors), samples, seed + i)
         for i, case in enumerate(sf.cases)
     ]
-    n_rec = sum(1 for a in sf.anchors if a.source.startswith("measured:"))
+    n_rec = sum(1 for a in sf.anchors if a.from_records)
     return Estimate(sf, full, results, n_rec)
 
 

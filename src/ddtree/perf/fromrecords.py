@@ -2,22 +2,31 @@
 
 - ``bench_bandwidth`` -> the ``this-machine`` hardware entry (measured bytes/s);
 - ``engine_run`` -> a step anchor: the record's own target shape (its ``config_json``),
-  drafter size, block size, budget, measured tau and step time, on this machine; plus one
-  stage anchor per measured ``Stage`` (``stage_s_mean``: draft, top-k, build, layout, verify,
-  accept, commit, other) and one for the prefill (``prefill_s_mean``: the target forward
-  over the mean prompt length, no context), so calibration fits each component to its own
-  timing, not only their sum;
+  drafter size, policy, block size, budget, measured tau and step time, on the hardware it
+  ran on, in the engine profile of its ``engine_mode`` (``PROFILE_OF_MODE``: eager -> eager,
+  compiled -> graphs); plus one stage anchor per measured ``Stage`` the policy's cost has
+  components for (``stage_s_mean``: draft, top-k, build, layout, verify, accept, commit,
+  other) and one for the prefill (``prefill_s_mean``: the target forward over the mean
+  prompt length, no context), so calibration fits each component to its own timing, not only
+  their sum;
 - ``bench_moe`` -> one MoE-layer anchor per measured M (with the measured experts-touched
   curve when the points carry it).
 """
 
 from __future__ import annotations
 
-from ddtree.perf.catalog import Hardware, load_catalog, this_machine
-from ddtree.perf.cost import Drafter, Point
+import numpy as np
+
+from ddtree.perf.catalog import Hardware, match_gpu, this_machine
+from ddtree.perf.cost import Drafter, Point, default_params, params_at, step_cost
 from ddtree.perf.model import ModelError, ModelShape, shape_from_config
 from ddtree.perf.scenario import MoeAnchor, ScenarioError, StageAnchor, StepAnchor
-from ddtree.records import BenchMoe, EngineRun, Record, Stage
+from ddtree.records import BenchMoe, EngineMode, EngineRun, Policy, Record, Stage
+
+PROFILE_OF_MODE = {EngineMode.EAGER: "eager", EngineMode.COMPILED: "graphs"}
+"""The estimator's engine profile for an engine_run's ``engine_mode``: a torch.compile run
+(inductor C++ on a CPU, CUDA graphs on a GPU) removes the per-op Python dispatch, as graph
+replay does."""
 
 _PREC = {
     "bf16": "bf16",
@@ -32,13 +41,18 @@ _PREC = {
 
 
 def hardware_for(record: Record, machine: Hardware | None) -> Hardware:
-    """The catalog GPU the record ran on, else this machine (from bench_bandwidth)."""
-    gpu = (record.hardware.gpu_name or "").lower()
-    device = str(record.config.get("device", "cpu"))
-    if device.startswith("cuda") and gpu:
-        for key, hw in load_catalog().items():
-            if all(tok in gpu for tok in key.split("-")[:1]):
-                return hw
+    """The catalog GPU a CUDA record ran on, else this machine (from bench_bandwidth)."""
+    gpu = record.hardware.gpu_name or ""
+    if str(record.config.get("device", "cpu")).startswith("cuda") and gpu:
+        hw = match_gpu(gpu)
+        if hw is not None:
+            return hw
+        if machine is None:
+            raise ScenarioError(
+                f"records: a {record.kind} record ran on GPU {gpu!r}, which is not in the "
+                "hardware catalog, and no bench_bandwidth record of it gives its bandwidth"
+            )
+        return machine
     if machine is None:
         raise ScenarioError(
             "records: an engine_run/bench_moe record ran on this machine but no "
@@ -72,15 +86,27 @@ def _drafter_of(record: EngineRun) -> Drafter | None:
     )
 
 
+STAGE_NOISE = 0.02  # relative run-to-run noise of a stage's mean time (assumed)
+STAGE_NOISE_FLOOR_S = 5e-6  # and an absolute floor: timer reads and jitter (assumed)
+
+
+def stage_noise(seconds: float) -> float:
+    """Relative 1-sigma noise of a measured stage mean: 2%, or 5 µs when that is more (a
+    0.1 ms stage is known to about 5%, a 5 ms one to 2%)."""
+    return float(np.hypot(STAGE_NOISE, STAGE_NOISE_FLOOR_S / seconds))
+
+
 def _stage_anchors(step: StepAnchor, r: EngineRun) -> list[StageAnchor]:
-    """One anchor per measured stage, and one for the prefill forward."""
+    """One anchor per measured stage the step's cost has components for, and the prefill."""
     src = f"measured: engine_run {r.created_utc}"
-    out = []
-    for stage, secs in r.stage_s_mean.items():
-        if secs <= 0 or (stage is Stage.DRAFT and step.point.drafter is None):
-            continue
-        out.append(StageAnchor(f"{step.name}:{stage}", step.name, stage, step.model,
-                               step.point, step.tau, secs, src))  # fmt: skip
+    defaults = params_at(default_params())
+    modelled = {c.stage for c in step_cost(step.model, step.point, defaults, step.tau).components}
+    out = [
+        StageAnchor(f"{step.name}:{stage}", step.name, stage, step.model, step.point, step.tau,
+                    secs, src, noise=stage_noise(secs))
+        for stage, secs in r.stage_s_mean.items()
+        if secs > 0 and stage in modelled
+    ]  # fmt: skip
     lens = r.prompt_lengths
     prompt = sum(lens) / len(lens) if lens else 0.0
     if r.prefill_s_mean and prompt >= 1:
@@ -95,23 +121,26 @@ def _engine_anchors(i: int, r: EngineRun, machine: Hardware | None) -> list:
     where = f"record {i} ({r.kind}, {r.created_utc})"
     lens = r.prompt_lengths or [0]
     ctx = sum(lens) / len(lens) + 0.5 * r.max_new_tokens
+    ar = r.policy is Policy.AR
     point = Point(
         hardware=hardware_for(r, machine),
         tp=r.tp,
         concurrency=r.concurrency,
         context_tokens=ctx,
-        block_size=r.block_size,
-        budget=r.budget,
-        engine="python",
-        drafter=_drafter_of(r),
+        block_size=1 if ar else r.block_size,
+        budget=0 if ar else r.budget,
+        engine=PROFILE_OF_MODE[r.engine_mode],
+        drafter=None if ar else _drafter_of(r),
+        policy=r.policy,
     )
     step = StepAnchor(
-        f"run{i}:{r.policy}:B{point.block_size}:N{point.budget}",
+        f"run{i}:{r.policy}:{r.engine_mode}:B{point.block_size}:N{point.budget}",
         _model_of(r, where),
         point,
         r.mean_tau,
         r.step_s_mean,
-        f"measured: engine_run {r.created_utc}",
+        f"measured: engine_run {r.created_utc} ({r.provenance.producer})",
+        from_records=True,
     )
     return [step, *_stage_anchors(step, r)]
 
@@ -138,7 +167,8 @@ def _moe_anchors(i: int, r: BenchMoe, machine: Hardware | None) -> list[MoeAncho
     )
     return [
         MoeAnchor(f"moe{i}:{r.precision}:M{p['m']}", model, hw, int(p["m"]), 1,
-                  float(p["s_per_layer"]), f"measured: bench_moe {r.created_utc}", curve or None)
+                  float(p["s_per_layer"]), f"measured: bench_moe {r.created_utc}", curve or None,
+                  from_records=True)
         for p in r.points
     ]  # fmt: skip
 
@@ -148,8 +178,6 @@ def anchors_from_records(records: list[Record]) -> tuple[list, Hardware | None]:
     anchors: list = []
     for i, r in enumerate(records):
         if isinstance(r, EngineRun):
-            if r.policy == "ar" or r.budget < 1:
-                continue
             anchors.extend(_engine_anchors(i, r, machine))
         elif isinstance(r, BenchMoe):
             anchors.extend(_moe_anchors(i, r, machine))

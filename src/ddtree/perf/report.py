@@ -14,8 +14,10 @@ from ddtree.perf import units as u
 from ddtree.perf.calibrate import Backtest
 from ddtree.perf.cost import link_class, step_cost
 from ddtree.perf.estimate import Estimate
+from ddtree.perf.fromrecords import PROFILE_OF_MODE
 from ddtree.perf.scenario import Range, StageAnchor, StepAnchor
 from ddtree.perf.uncertainty import CaseResult, point_value
+from ddtree.records import Stage
 
 
 def _ms(s: float) -> str:
@@ -81,9 +83,9 @@ def table(est: Estimate, console) -> None:
         fit.add_column(col)
     c = est.calibration
     for name in c.names:
-        if name.startswith(tuple(f"{e}." for e in sf.engines if e != "python")) and not any(
-            r.case.point.engine != "python" for r in est.results
-        ):
+        used = {a.point.engine for a in sf.anchors if hasattr(a, "point")}
+        used |= {r.case.point.engine for r in est.results}
+        if name.split(".")[0] in sf.engines and name.split(".")[0] not in used:
             continue
         spec = sf.specs[name]
         status = {"prior": "prior (anchors say little)"}.get(c.status(name), c.status(name))
@@ -108,6 +110,8 @@ def table(est: Estimate, console) -> None:
             f"   step p10/p50/p90: {_ms(r.step_s[10])} / {_ms(r.step_s[50])} / {_ms(r.step_s[90])}"
             f"   (tau {_tau(r.case.tau)}, C={r.case.point.concurrency}, {r.samples} samples)"
         )
+        if r.speedup_vs_ar is not None:
+            console.print(f"  speedup vs AR p10/p50/p90: [bold]{_speedup(r)}[/bold]  {_ar_note(r)}")
         console.print(
             f"  physical limit: {_ms(r.amdahl.limit_step_s)} per step "
             f"({u.format_quantity(r.point.hbm_bytes, u.BYTES)} per GPU at peak HBM) -> "
@@ -126,6 +130,24 @@ def table(est: Estimate, console) -> None:
         console.print()
 
 
+def _speedup(r: CaseResult) -> str:
+    x = r.speedup_vs_ar
+    return f"{x[10]:.2f}x / {x[50]:.2f}x / {x[90]:.2f}x"
+
+
+def _ar_note(r: CaseResult) -> str:
+    a, pt = r.ar_tokens_per_s, r.case.point
+    return (
+        f"(ar on {pt.hardware.key}, TP {pt.tp}, C={pt.concurrency}, context "
+        f"{pt.context_tokens:.0f} tok, {pt.engine}: {_tps(a[10])} / {_tps(a[50])} / "
+        f"{_tps(a[90])} tok/s)"
+    )
+
+
+def _pcts(x: dict[int, float] | None) -> dict[str, float] | None:
+    return None if x is None else {f"p{k}": v for k, v in x.items()}
+
+
 def _tau(v) -> str:
     return f"{v.low:g}-{v.high:g}" if isinstance(v, Range) else f"{v:g}"
 
@@ -139,6 +161,7 @@ def to_dict(est: Estimate) -> dict[str, Any]:
     return {
         "scenario": est.scenario.path,
         "title": est.scenario.title,
+        "notes": est.scenario.notes,
         "calibration": {
             "values": c.values,
             "fitted": [n for n in c.names if c.constrained(n)],
@@ -158,8 +181,11 @@ def to_dict(est: Estimate) -> dict[str, Any]:
                 if isinstance(r.case.tau, Range)
                 else r.case.tau,
                 "anchors": r.calibration.anchors_used,
-                "tokens_per_s": {f"p{k}": v for k, v in r.tokens_per_s.items()},
-                "step_s": {f"p{k}": v for k, v in r.step_s.items()},
+                "policy": str(r.case.point.policy),
+                "tokens_per_s": _pcts(r.tokens_per_s),
+                "step_s": _pcts(r.step_s),
+                "speedup_vs_ar": _pcts(r.speedup_vs_ar),
+                "ar_tokens_per_s": _pcts(r.ar_tokens_per_s),
                 "point_step_s": float(r.point.step_s),
                 "breakdown_s": {comp.name: float(comp.seconds) for comp in r.point.components},
                 "hbm_bytes_per_gpu": r.point.hbm_bytes,
@@ -185,7 +211,7 @@ def explain(est: Estimate) -> str:
     """The chain of reasoning, every number labelled measured / catalog / derived / assumed."""
     sf, c = est.scenario, est.calibration
     m = sf.model
-    out = [f"# {sf.title}", ""]
+    out = [f"# {sf.title}", "", *(f"note: {n}" for n in sf.notes)]
     out.append(f"model {m.name}: {m.source or 'preset'}")
     out.append(
         f"  derived: routed expert = 3 x {m.hidden_size} x {m.moe_intermediate_size} = "
@@ -211,16 +237,22 @@ def explain(est: Estimate) -> str:
                 f"{_ms(a.step_s)} [derived]  ({a.source})"
             )
         elif isinstance(a, StageAnchor):
+            at = (
+                f"over a {a.prompt_tokens:.0f}-token prompt"
+                if a.stage is Stage.PREFILL
+                else f"at M = {a.point.verify_width}, context {a.point.context_tokens:.0f} tok"
+            )
             out.append(
-                f"  {a.name}: {a.stage} stage at M = {a.point.verify_width}, context "
-                f"{a.point.context_tokens:.0f} tok = {_ms(a.seconds)} -> fits "
-                f"{' + '.join(a.components)}  ({a.source})"
+                f"  {a.name}: {a.stage} stage {at} = {_ms(a.seconds)} +- {a.noise:.0%} -> fits "
+                f"the components tagged {a.stage}  ({a.source})"
             )
         else:
             out.append(
                 f"  {a.name}: routed MoE layer at M={a.m} (TP {a.tp}) on {a.hardware.key}: "
                 f"{_ms(a.s_per_layer)}  ({a.source})"
             )
+    out.append("")
+    out += profile_lines(est)
     out.append("")
     out.append(
         "calibrated parameters (MAP fit, log-normal priors; 'fitted' = anchors narrowed it):"
@@ -287,6 +319,11 @@ def explain(est: Estimate) -> str:
             f"Monte Carlo ({r.samples} samples, seed {r.seed}): tokens/s p10/p50/p90 = "
             f"{r.tokens_per_s[10]:.0f} / {r.tokens_per_s[50]:.0f} / {r.tokens_per_s[90]:.0f}"
         )
+        if r.speedup_vs_ar is not None:
+            out.append(
+                f"speedup vs AR = tok/s / tok/s of the ar step (M = 1, tau = 1, no drafter) "
+                f"with the same samples, p10/p50/p90 = {_speedup(r)} [derived] {_ar_note(r)}"
+            )
         out.append(
             f"physical limit = {u.format_quantity(r.point.hbm_bytes, u.BYTES)} per GPU / "
             f"{u.format_quantity(hw.hbm_bytes_per_s, u.BANDWIDTH)} = {_ms(r.amdahl.limit_step_s)}"
@@ -296,6 +333,38 @@ def explain(est: Estimate) -> str:
         if cmp:
             out.append(f"vs article: {cmp}")
     return "\n".join(out)
+
+
+def profile_lines(est: Estimate) -> list[str]:
+    """Which engine profile (mode) on which hardware its host costs came from."""
+    sf, c = est.scenario, est.calibration
+    groups: dict[tuple[str, str, bool], list[str]] = {}
+    for a in sf.anchors:
+        if not isinstance(a, StepAnchor):
+            continue
+        eng, hw = a.point.engine, a.point.hardware.key
+        scoped = f"{eng}.step_overhead@{hw}"
+        name = scoped if scoped in c.values else f"{eng}.step_overhead"
+        groups.setdefault((eng, name, a.from_records), []).append(hw)
+    out = ["engine profiles (host costs per mode; device efficiencies shared by every mode):"]
+    for (eng, name, rec), hws in sorted(groups.items()):
+        status = c.status(name) if name in c.names else "user"
+        if rec:
+            modes = "/".join(m for m, p in PROFILE_OF_MODE.items() if p == eng)
+            what = f"{len(hws)} engine_run record(s) with engine_mode {modes}"
+        else:
+            what = f"{len(hws)} scenario anchor(s)"
+        where = f"{eng} profile on {', '.join(sorted(set(hws)))}"
+        if "@" in name:
+            where += " (host costs of its own)"
+        out.append(f"  {where}: {status} from {what}; step overhead "
+                   f"{_param(c.values[name], 's')}")  # fmt: skip
+    used = {eng for eng, _, _ in groups}
+    for eng in dict.fromkeys(r.case.point.engine for r in est.results):
+        if eng not in used:
+            out.append(f"  {eng} profile: no anchor ran in it; its host costs are assumed "
+                       f"({sf.engines[eng].about})")  # fmt: skip
+    return out
 
 
 def backtest_text(bt: Backtest) -> str:
@@ -398,14 +467,17 @@ def write_report(est: Estimate, out_dir: str | Path) -> list[Path]:
 
     md = [f"# {sf.title}", "", f"Scenario file: `{sf.path}`", ""]
     md.append(
-        "| scenario | tok/s p10 | p50 | p90 | step p50 | limit tok/s | overhead share | vs article |"
+        "| scenario | tok/s p10 | p50 | p90 | speedup vs AR p10 / p50 / p90 | step p50 | "
+        "limit tok/s | overhead share | vs article |"
     )
-    md.append("|---|---|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|---|")
     for r in est.results:
+        speed = "-" if r.speedup_vs_ar is None else _speedup(r)
         md.append(
             f"| {r.case.name} | {r.tokens_per_s[10]:.0f} | {r.tokens_per_s[50]:.0f} | "
-            f"{r.tokens_per_s[90]:.0f} | {_ms(r.step_s[50])} | {r.amdahl.limit_tokens_per_s:.0f} | "
-            f"{r.amdahl.overhead_fraction:.0%} | {comparison(r)} |"
+            f"{r.tokens_per_s[90]:.0f} | {speed} | {_ms(r.step_s[50])} | "
+            f"{r.amdahl.limit_tokens_per_s:.0f} | {r.amdahl.overhead_fraction:.0%} | "
+            f"{comparison(r)} |"
         )
     md += ["", "![breakdown](breakdown.png)", "", "![tokens vs tau](tokens_vs_tau.png)", "",
            "![tokens vs budget](tokens_vs_budget.png)", "", "## Chain of reasoning", "", "```",

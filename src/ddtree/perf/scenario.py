@@ -15,8 +15,9 @@ from typing import Any
 from ddtree.perf import units as u
 from ddtree.perf.catalog import CatalogError, Hardware, hardware_from_dict, load_catalog
 from ddtree.perf.cost import (
+    ENGINE_ALIASES,
+    ENGINE_PARAMS,
     ENGINES,
-    HOST_PARAMS,
     Drafter,
     EngineProfile,
     ParamSpec,
@@ -24,7 +25,10 @@ from ddtree.perf.cost import (
     default_params,
 )
 from ddtree.perf.model import PRECISION_BYTES, ModelError, ModelShape, load_model
-from ddtree.records import Stage
+from ddtree.records import Policy, Stage
+
+DEFAULT_ANCHOR_NOISE = 0.01
+"""Relative 1-sigma noise of an anchor that does not say (an engine run of many steps)."""
 
 
 class ScenarioError(ValueError):
@@ -57,6 +61,8 @@ class StepAnchor:
     tau: float
     step_s: float
     source: str
+    noise: float = DEFAULT_ANCHOR_NOISE  # relative 1-sigma measurement noise
+    from_records: bool = False  # an engine_run record (else typed into a scenario)
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,6 +81,8 @@ class MoeAnchor:
     s_per_layer: float
     source: str
     curve: tuple[tuple[float, float], ...] | None = None
+    noise: float = DEFAULT_ANCHOR_NOISE
+    from_records: bool = False
 
 
 @dataclass
@@ -93,6 +101,8 @@ class StageAnchor:
     seconds: float
     source: str
     prompt_tokens: float = 0.0
+    noise: float = DEFAULT_ANCHOR_NOISE
+    from_records: bool = True
 
 
 Anchor = StepAnchor | MoeAnchor | StageAnchor
@@ -129,11 +139,11 @@ class ScenarioFile:
     engines: dict[str, EngineProfile]
     specs: dict[str, ParamSpec]
     fixed: dict[str, float]  # parameters the user pinned
-    ranges: dict[str, Range]  # parameters the user gave a range for (projection)
     anchors: list[Anchor]
     cases: list[ScenarioCase]
     sweep_hardware: list[str] = field(default_factory=list)
     records: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # said once to the user (renamed fields)
 
 
 def _value(raw: Any, dim: u.Dim, where: str) -> Value:
@@ -165,8 +175,43 @@ def _check_keys(table: dict, allowed: set[str], where: str) -> None:
         )
 
 
-_DEPLOY = {"tp", "concurrency", "context", "engine"}
+_DEPLOY = {"tp", "concurrency", "context", "engine", "policy"}
 _PARAM_DIMS = {"": u.NUMBER, "s": u.TIME}
+
+
+def _positive(raw: Any, dim: u.Dim, where: str) -> float:
+    """A quantity that must be finite and > 0 (a rate, a time)."""
+    value = u.parse_quantity(raw, dim, where)
+    if not (math.isfinite(value) and value > 0):
+        raise ScenarioError(f"{where}: {raw!r} must be a positive, finite quantity")
+    return value
+
+
+@dataclass
+class _Ctx:
+    """What parsing a point needs: the file, its hardware and engines, the deployment
+    defaults, the drafter, and where notes for the user go."""
+
+    where: str
+    hardware: dict[str, Hardware]
+    engines: dict[str, EngineProfile]
+    deploy: dict
+    drafter: Drafter | None
+    notes: list[str]
+
+    def engine(self, raw: Any, where: str) -> str:
+        name = str(raw)
+        if name in ENGINE_ALIASES and name not in self.engines:
+            new = ENGINE_ALIASES[name]
+            note = f"{self.where}: engine {name!r} is now called {new!r}; read as {new!r}"
+            if note not in self.notes:
+                self.notes.append(note)
+            name = new
+        if name not in self.engines:
+            raise ScenarioError(
+                f"{where}.engine: {name!r}; expected one of {', '.join(self.engines)}"
+            )
+        return name
 
 
 def _drafter(spec: dict, where: str) -> Drafter:
@@ -202,46 +247,95 @@ def _hardware_ref(name: Any, hardware: dict[str, Hardware], where: str) -> Hardw
     return hardware[name]
 
 
-def _point(
-    table: dict,
-    defaults: dict,
-    hardware: dict[str, Hardware],
-    engines: dict,
-    drafter: Drafter | None,
-    where: str,
-) -> Point:
-    merged = {**defaults, **{k: v for k, v in table.items() if k in _DEPLOY}}
-    for key in ("hardware", "block_size", "budget"):
-        if key not in table:
-            raise ScenarioError(f"{where}: missing field '{key}'")
-    engine = str(merged.get("engine", "python"))
-    if engine not in engines:
-        raise ScenarioError(f"{where}.engine: {engine!r}; expected one of {', '.join(engines)}")
-    block = _int(table["block_size"], f"{where}.block_size", 2)
-    budget = _int(table["budget"], f"{where}.budget", 1)
-    ctx = merged.get("context", "2048 tok")
+def _point(table: dict, ctx: _Ctx, drafter: Drafter | None, where: str) -> Point:
+    """hardware, policy (default ddtree), block_size and budget (ddtree), deployment fields."""
+    merged = {**ctx.deploy, **{k: v for k, v in table.items() if k in _DEPLOY}}
+    if "hardware" not in table:
+        raise ScenarioError(f"{where}: missing field 'hardware'")
+    raw_policy = merged.get("policy", Policy.DDTREE)
+    try:
+        policy = Policy(raw_policy)
+    except ValueError:
+        raise ScenarioError(
+            f"{where}.policy: {raw_policy!r}; expected one of {', '.join(Policy)}"
+        ) from None
+    if policy is Policy.AR:
+        block = 1
+        budget = _int(table.get("budget", 0), f"{where}.budget", 0)
+        if budget:
+            raise ScenarioError(f"{where}.budget: an ar step has no draft tree; leave it out")
+        drafter = None
+    else:
+        if "block_size" not in table:
+            raise ScenarioError(f"{where}: missing field 'block_size'")
+        block = _int(table["block_size"], f"{where}.block_size", 2)
+        if policy is Policy.CHAIN:
+            budget = _int(table.get("budget", block - 1), f"{where}.budget", 1)
+            if budget != block - 1:
+                raise ScenarioError(
+                    f"{where}.budget: a chain verifies the B-1 = {block - 1} drafted tokens; "
+                    f"got {budget} (leave it out)"
+                )
+        else:
+            if "budget" not in table:
+                raise ScenarioError(f"{where}: missing field 'budget'")
+            budget = _int(table["budget"], f"{where}.budget", 1)
+    ctx_raw = merged.get("context", "2048 tok")
+    context = u.parse_quantity(
+        ctx_raw if not isinstance(ctx_raw, int) else f"{ctx_raw} tok", u.TOKENS, f"{where}.context"
+    )
+    if not (math.isfinite(context) and context >= 0):
+        raise ScenarioError(f"{where}.context: {ctx_raw!r} must be >= 0 tokens")
     return Point(
-        hardware=_hardware_ref(table["hardware"], hardware, f"{where}.hardware"),
+        hardware=_hardware_ref(table["hardware"], ctx.hardware, f"{where}.hardware"),
         tp=_int(merged.get("tp", 1), f"{where}.tp"),
         concurrency=_int(merged.get("concurrency", 1), f"{where}.concurrency"),
-        context_tokens=float(
-            u.parse_quantity(
-                ctx if not isinstance(ctx, int) else f"{ctx} tok", u.TOKENS, f"{where}.context"
-            )
-        ),  # fmt: skip
+        context_tokens=float(context),
         block_size=block,
         budget=budget,
-        engine=engine,
+        engine=ctx.engine(merged.get("engine", "eager"), where),
         drafter=drafter,
+        policy=policy,
     )
 
 
+def _tau(raw: Any, point: Point, where: str) -> Value:
+    """tau (a value or a range): at least 1 (the bonus token), at most B (every drafted token
+    accepted, plus the bonus); an ar step commits exactly 1."""
+    if raw is None:
+        if point.policy is Policy.AR:
+            return 1.0
+        raise ScenarioError(f"{where}: missing field 'tau' (accepted tokens per step)")
+    tau = _value(raw, u.TOKENS_PER_STEP, f"{where}.tau")
+    low, high = (tau.low, tau.high) if isinstance(tau, Range) else (tau, tau)
+    top = 1 if point.policy is Policy.AR else point.block_size
+    if not (math.isfinite(low) and math.isfinite(high)) or low < 1 or high > top:
+        raise ScenarioError(
+            f"{where}.tau: {raw!r} is outside [1, {top}]: tau counts the accepted drafted "
+            f"tokens plus the bonus token, so 1 <= tau <= "
+            + ("1 for ar" if point.policy is Policy.AR else f"block_size = {top}")
+        )
+    return tau
+
+
+def _noise(raw: Any, where: str) -> float:
+    if raw is None:
+        return DEFAULT_ANCHOR_NOISE
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < 1:
+        raise ScenarioError(
+            f"{where}.noise: expected a relative 1-sigma noise in (0, 1) like 0.03, got {raw!r}"
+        )
+    return float(raw)
+
+
 def _param_entry(name: str, raw: Any, spec: ParamSpec, where: str):
-    """-> (pinned value or None, range or None, new spec)."""
+    """-> (pinned value or None, new spec). ``x = value`` pins a parameter; ``x = [lo, hi]`` or
+    ``{range = [lo, hi]}`` makes that its prior (calibration may move it);
+    ``{value = v, fit = true}`` makes v the prior's centre."""
     dim = _PARAM_DIMS[spec.unit]
     if isinstance(raw, dict):
         _check_keys(raw, {"value", "range", "fit", "source"}, where)
-        value = u.parse_quantity(raw["value"], dim, f"{where}.value") if "value" in raw else None
+        value = _positive(raw["value"], dim, f"{where}.value") if "value" in raw else None
         rng = _value(raw["range"], dim, f"{where}.range") if "range" in raw else None
         if rng is not None and not isinstance(rng, Range):
             raise ScenarioError(f"{where}.range: expected [low, high]")
@@ -249,15 +343,19 @@ def _param_entry(name: str, raw: Any, spec: ParamSpec, where: str):
     else:
         v = _value(raw, dim, where)
         value, rng, fit = (None, v, spec.fit) if isinstance(v, Range) else (v, None, False)
+    if rng is not None and not rng.low > 0:
+        raise ScenarioError(f"{where}: a parameter's range must be positive, got {rng.low:g}")
+    if value is not None and not value > 0:
+        raise ScenarioError(f"{where}: a parameter must be positive, got {value:g}")
     new = spec
     if rng is not None:
-        geo = math.sqrt(rng.low * rng.high) if rng.low > 0 else rng.mid
-        new = replace(new, low=rng.low, high=rng.high, default=value or rng.mode or geo)
+        new = replace(new, low=rng.low, high=rng.high,
+                      default=value or rng.mode or math.sqrt(rng.low * rng.high))  # fmt: skip
     elif value is not None:
         new = replace(new, default=value)
     new = replace(new, fit=fit)
     pinned = value if (value is not None and rng is None and not fit) else None
-    return pinned, rng, new
+    return pinned, new
 
 
 def load_scenario(path: str | Path, records_hw: dict[str, Hardware] | None = None) -> ScenarioFile:
@@ -298,39 +396,35 @@ def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> Scenario
     engines = dict(ENGINES)
     for name, entry in (data.get("engine") or {}).items():
         w = f"{where}: engine.{name}"
-        _check_keys(entry, {*HOST_PARAMS, "about"}, w)
-        base = engines.get(name, ENGINES["python"])
-        times = {
-            f"{f}_s": u.parse_quantity(entry[f], u.TIME, f"{w}.{f}")
-            for f in HOST_PARAMS
-            if f in entry
-        }
-        engines[name] = replace(
-            base, name=name, about=str(entry.get("about", base.about)),
-            fit_step_overhead=base.fit_step_overhead and name in engines, **times,
-        )  # fmt: skip
+        if not isinstance(entry, dict):
+            raise ScenarioError(f"{w} must be a table")
+        _check_keys(entry, {*ENGINE_PARAMS, "about"}, w)
+        base = engines.get(name, ENGINES["eager"])
+        times = {f"{f}_s": _positive(entry[f], u.TIME, f"{w}.{f}") for f in ENGINE_PARAMS
+                 if f in entry}  # fmt: skip
+        about = str(entry.get("about", base.about))
+        engines[name] = replace(base, name=name, about=about, **times)
     specs = default_params(engines)
-    fixed, ranges = {}, {}
+    fixed = {}
     for name, raw in (data.get("parameters") or {}).items():
         w = f"{where}: parameters.{name}"
         if name not in specs:
             raise ScenarioError(f"{w}: unknown parameter; known: {', '.join(specs)}")
-        pinned, rng, specs[name] = _param_entry(name, raw, specs[name], w)
+        pinned, specs[name] = _param_entry(name, raw, specs[name], w)
         if pinned is not None:
             fixed[name] = pinned
-        if rng is not None and not specs[name].fit:
-            ranges[name] = rng
     deploy = data.get("deployment") or {}
     _check_keys(deploy, _DEPLOY, f"{where}: deployment")
+    ctx = _Ctx(where, hardware, engines, deploy, drafter, [])
     anchors: list[Anchor] = []
     for i, a in enumerate(data.get("anchor") or []):
-        anchors.append(_anchor(a, i, model, drafter, hardware, engines, deploy, where))
+        anchors.append(_anchor(a, i, model, ctx))
     names = [a.name for a in anchors]
     if len(set(names)) != len(names):
         raise ScenarioError(f"{where}: anchor names must be unique, got {names}")
     cases = []
     for i, s in enumerate(data.get("scenario") or []):
-        cases.append(_case(s, i, drafter, hardware, engines, deploy, specs, names, where))
+        cases.append(_case(s, i, ctx, specs, names))
     report = data.get("report") or {}
     sweep = list(report.get("hardware", []))
     for h in sweep:
@@ -345,15 +439,16 @@ def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> Scenario
         engines=engines,
         specs=specs,
         fixed=fixed,
-        ranges=ranges,
         anchors=anchors,
         cases=cases,
         sweep_hardware=sweep,
         records=[str(base_dir / p) for p in recs.get("paths", [])],
+        notes=ctx.notes,
     )
 
 
-def _anchor(a, i, model, drafter, hardware, engines, deploy, where) -> Anchor:
+def _anchor(a, i: int, model: ModelShape, ctx: _Ctx) -> Anchor:
+    where = ctx.where
     w = f"{where}: anchor[{i}]"
     if not isinstance(a, dict):
         raise ScenarioError(f"{w}: must be a table ([[anchor]])")
@@ -361,59 +456,61 @@ def _anchor(a, i, model, drafter, hardware, engines, deploy, where) -> Anchor:
     name = str(a.get("name", f"anchor{i}"))
     w = f"{where}: anchor[{i}] ({name})"
     source = str(a.get("source", ""))
+    noise = _noise(a.get("noise"), w)
     if kind == "step":
         _check_keys(
             a,
             {"kind", "name", "hardware", "block_size", "budget", "tau", "tokens_per_s", "step",
-             "source"} | _DEPLOY,
+             "source", "noise"} | _DEPLOY,
             w,
         )  # fmt: skip
-        if "tau" not in a:
-            raise ScenarioError(f"{w}: missing field 'tau' (accepted tokens per step)")
-        point = _point(a, deploy, hardware, engines, drafter, w)
-        tau = u.parse_quantity(a["tau"], u.TOKENS_PER_STEP, f"{w}.tau")
+        point = _point(a, ctx, ctx.drafter, w)
+        tau = _tau(a.get("tau"), point, w)
+        if isinstance(tau, Range):
+            raise ScenarioError(f"{w}.tau: an anchor's tau is one measured value, not a range")
         if ("tokens_per_s" in a) == ("step" in a):
             raise ScenarioError(
                 f"{w}: give exactly one of 'tokens_per_s' (like '303 tok/s') or 'step' "
                 "(time per step, like '14.5 ms')"
             )
         if "tokens_per_s" in a:
-            tps = u.parse_quantity(a["tokens_per_s"], u.TOKEN_RATE, f"{w}.tokens_per_s")
+            tps = _positive(a["tokens_per_s"], u.TOKEN_RATE, f"{w}.tokens_per_s")
             step_s = point.concurrency * tau / tps
         else:
-            step_s = u.parse_quantity(a["step"], u.STEP_TIME, f"{w}.step")
-        return StepAnchor(name, model, point, tau, step_s, source)
+            step_s = _positive(a["step"], u.STEP_TIME, f"{w}.step")
+        return StepAnchor(name, model, point, tau, step_s, source, noise)
     if kind == "moe_layer":
-        _check_keys(a, {"kind", "name", "hardware", "m", "time", "tp", "source"}, w)
+        _check_keys(a, {"kind", "name", "hardware", "m", "time", "tp", "source", "noise"}, w)
         for key in ("hardware", "m", "time"):
             if key not in a:
                 raise ScenarioError(f"{w}: missing field '{key}'")
         return MoeAnchor(
             name,
             model,
-            _hardware_ref(a["hardware"], hardware, f"{w}.hardware"),
+            _hardware_ref(a["hardware"], ctx.hardware, f"{w}.hardware"),
             _int(a["m"], f"{w}.m"),
             _int(a.get("tp", 1), f"{w}.tp"),
-            u.parse_quantity(a["time"], u.TIME, f"{w}.time"),
+            _positive(a["time"], u.TIME, f"{w}.time"),
             source,
+            noise=noise,
         )
     raise ScenarioError(f"{w}.kind: {kind!r}; expected 'step' or 'moe_layer'")
 
 
-def _case(s, i, drafter, hardware, engines, deploy, specs, anchor_names, where) -> ScenarioCase:
+def _case(s, i: int, ctx: _Ctx, specs: dict[str, ParamSpec], anchor_names) -> ScenarioCase:
     name = str(s.get("name", f"scenario{i}"))
-    w = f"{where}: scenario[{i}] ({name})"
+    w = f"{ctx.where}: scenario[{i}] ({name})"
+    if not isinstance(s, dict):
+        raise ScenarioError(f"{ctx.where}: scenario[{i}] must be a table ([[scenario]])")
     _check_keys(
         s,
         {"name", "question", "hardware", "block_size", "budget", "tau", "anchors", "parameters",
          "article", "drafter"} | _DEPLOY,
         w,
     )  # fmt: skip
-    d = _drafter(s["drafter"], f"{w}.drafter") if "drafter" in s else drafter
-    point = _point(s, deploy, hardware, engines, d, w)
-    if "tau" not in s:
-        raise ScenarioError(f"{w}: missing field 'tau' (a value or [low, high])")
-    tau = _value(s["tau"], u.TOKENS_PER_STEP, f"{w}.tau")
+    d = _drafter(s["drafter"], f"{w}.drafter") if "drafter" in s else ctx.drafter
+    point = _point(s, ctx, d, w)
+    tau = _tau(s.get("tau"), point, w)
     anchors = s.get("anchors")
     if anchors is not None:
         bad = [a for a in anchors if a not in anchor_names]
@@ -423,7 +520,10 @@ def _case(s, i, drafter, hardware, engines, deploy, specs, anchor_names, where) 
     for pname, raw in (s.get("parameters") or {}).items():
         if pname not in specs:
             raise ScenarioError(f"{w}.parameters.{pname}: unknown; known: {', '.join(specs)}")
-        overrides[pname] = _value(raw, _PARAM_DIMS[specs[pname].unit], f"{w}.parameters.{pname}")
+        v = _value(raw, _PARAM_DIMS[specs[pname].unit], f"{w}.parameters.{pname}")
+        if (v.low if isinstance(v, Range) else v) <= 0:
+            raise ScenarioError(f"{w}.parameters.{pname}: must be positive, got {raw!r}")
+        overrides[pname] = v
     article = None
     if "article" in s:
         art = s["article"]
@@ -433,14 +533,8 @@ def _case(s, i, drafter, hardware, engines, deploy, specs, anchor_names, where) 
             tokens_per_s=_value(art["tokens_per_s"], u.TOKEN_RATE, f"{aw}.tokens_per_s")
             if "tokens_per_s" in art
             else None,
-            step_s=u.parse_quantity(art["step"], u.STEP_TIME, f"{aw}.step")
-            if "step" in art
-            else None,
-            moe_s=u.parse_quantity(art["moe"], u.STEP_TIME, f"{aw}.moe") if "moe" in art else None,
+            step_s=_positive(art["step"], u.STEP_TIME, f"{aw}.step") if "step" in art else None,
+            moe_s=_positive(art["moe"], u.STEP_TIME, f"{aw}.moe") if "moe" in art else None,
             note=str(art.get("note", "")),
         )
-    if isinstance(tau, Range) and tau.low <= 0 or not isinstance(tau, Range) and tau <= 0:
-        raise ScenarioError(f"{w}.tau: must be positive")
-    if isinstance(tau, float) and not math.isfinite(tau):
-        raise ScenarioError(f"{w}.tau: must be finite")
     return ScenarioCase(name, point, tau, anchors, overrides, article, str(s.get("question", "")))

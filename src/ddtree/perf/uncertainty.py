@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.perf.calibrate import Calibration
+from ddtree.perf.calibrate import Calibration, posterior_samples
 from ddtree.perf.cost import Amdahl, StepCost, amdahl, step_cost
 from ddtree.perf.model import ModelShape
 from ddtree.perf.scenario import Range, ScenarioCase, Value
+from ddtree.records import Policy
 
 PERCENTILES = (10, 50, 90)
 
@@ -37,13 +38,7 @@ def sample_inputs(
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """-> (parameter samples [n] each, tau samples [n])."""
     rng = np.random.default_rng(seed)
-    params: dict[str, np.ndarray] = {k: np.full(n, v) for k, v in cal.values.items()}
-    if cal.names:
-        logs = rng.multivariate_normal(cal.mean_log, cal.cov_log, size=n, method="eigh")
-        for i, name in enumerate(cal.names):  # logs: [n, K]
-            params[name] = np.exp(logs[:, i])
-            if name.split("@")[0].endswith("efficiency"):
-                params[name] = np.minimum(params[name], 1.0)
+    params = posterior_samples(cal, n, rng)
     for name, v in case.overrides.items():
         params[name] = _draw(v, n, rng)
     return params, _draw(case.tau, n, rng)
@@ -71,10 +66,18 @@ class CaseResult:
     point: StepCost  # breakdown at the point estimate
     tokens_per_s: dict[int, float]  # percentile -> value (aggregate over C requests)
     step_s: dict[int, float]
+    # tok/s over the ar step's on the same hardware, TP, context and engine mode, with the
+    # same parameter samples (None for an ar case)
+    speedup_vs_ar: dict[int, float] | None
+    ar_tokens_per_s: dict[int, float] | None
     amdahl: Amdahl
     tornado: list[TornadoBar]
     samples: int
     seed: int
+
+
+def _percentiles(x: np.ndarray) -> dict[int, float]:
+    return {p: float(np.percentile(x, p)) for p in PERCENTILES}
 
 
 def run_case(
@@ -84,6 +87,11 @@ def run_case(
     cost = step_cost(model, case.point, params, tau)
     step = np.broadcast_to(np.asarray(cost.step_s, dtype=float), (n,))
     tps = case.point.concurrency * tau / step  # [n]
+    speedup = ar_tps = None
+    if case.point.policy is not Policy.AR:
+        ar_step = step_cost(model, case.point.as_ar(), params, 1.0).step_s
+        ar = case.point.concurrency / np.broadcast_to(np.asarray(ar_step, dtype=float), (n,))
+        speedup, ar_tps = _percentiles(tps / ar), _percentiles(ar)
     pt_params = dict(cal.values)
     pt_params.update({k: point_value(v) for k, v in case.overrides.items()})
     pt_tau = point_value(case.tau)
@@ -94,8 +102,10 @@ def run_case(
         point_params=pt_params,
         point_tau=pt_tau,
         point=pt_cost,
-        tokens_per_s={p: float(np.percentile(tps, p)) for p in PERCENTILES},
-        step_s={p: float(np.percentile(step, p)) for p in PERCENTILES},
+        tokens_per_s=_percentiles(tps),
+        step_s=_percentiles(step),
+        speedup_vs_ar=speedup,
+        ar_tokens_per_s=ar_tps,
         amdahl=amdahl(pt_cost, pt_params, pt_tau),
         tornado=tornado(model, case, pt_params, pt_tau, params, tau),
         samples=n,
