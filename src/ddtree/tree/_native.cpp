@@ -83,20 +83,23 @@ struct BuildState {
   }
 };
 
+// NaN anywhere, else a row not sorted descending (the order check_topk reports them in). No
+// early exit, so the contiguous case vectorises.
 template <typename F>
 long check_values(const F* lp, int64_t n_depth, int64_t k, int64_t row_stride,
                   int64_t col_stride) {
+  bool nan = false, unsorted = false;
   for (int64_t d = 0; d < n_depth; ++d) {
     const F* row = lp + d * row_stride;
-    for (int64_t r = 0; r < k; ++r) {
-      const F v = row[r * col_stride];
-      if (v != v) return kNaN;
-    }
-    for (int64_t r = 1; r < k; ++r) {
-      if (row[r * col_stride] > row[(r - 1) * col_stride]) return kUnsorted;
+    if (col_stride == 1) {
+      for (int64_t r = 0; r < k; ++r) nan |= row[r] != row[r];
+      for (int64_t r = 1; r < k; ++r) unsorted |= row[r] > row[r - 1];
+    } else {
+      for (int64_t r = 0; r < k; ++r) nan |= row[r * col_stride] != row[r * col_stride];
+      for (int64_t r = 1; r < k; ++r) unsorted |= row[r * col_stride] > row[(r - 1) * col_stride];
     }
   }
-  return 0;
+  return nan ? kNaN : unsorted ? kUnsorted : 0;
 }
 
 template <typename F>
@@ -146,11 +149,13 @@ long build(int64_t root, const F* lp_in, int64_t lp_row, int64_t lp_col, const i
       push({c.neg_score - lp(d, 0), static_cast<int32_t>(node), c.depth + 1, 0});
     }
   }
-  // visibility [m, m]: a node sees what its parent sees, and itself (parents come first)
-  std::memset(out_vis, 0, static_cast<size_t>(m));
+  // visibility [m, m]: a node sees what its parent p sees, and itself. Parents come first, so
+  // row p is zero past column p: copy its first p + 1 bytes onto a zeroed row.
+  std::memset(out_vis, 0, static_cast<size_t>(m * m));
   out_vis[0] = 1;
   for (int64_t i = 1; i < m; ++i) {
-    std::memcpy(out_vis + i * m, out_vis + out_parents[i] * m, static_cast<size_t>(m));
+    const int64_t p = out_parents[i];
+    std::memcpy(out_vis + i * m, out_vis + p * m, static_cast<size_t>(p + 1));
     out_vis[i * m + i] = 1;
   }
   return static_cast<long>(m);
