@@ -407,6 +407,7 @@ class EngineRun(Record):
     dtype: str = config_field()
     device: str = config_field()
     engine_mode: EngineMode = config_field(EngineMode.EAGER)
+    tree_backend: str | None = config_field(None)  # ddtree.tree.backend(): "native" | "python"
     tp: int = config_field(1, minimum=1)
     concurrency: int = config_field(1, minimum=1)
     prompt_set: dict[str, Any] = config_field({}, wire="prompts")  # {"count", "lengths"}

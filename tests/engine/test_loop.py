@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ddtree.engine import ContextLengthError, DecodeConfig, engine_run_record, generate
 from ddtree.records import STEP_STAGES, read_records, write_records
-from ddtree.tree import process_logits
+from ddtree.tree import backend, process_logits
 
 from .helpers import ScriptedDrafter, random_dflash_drafter, tiny_hf_target, tiny_mla_target
 
@@ -198,6 +198,7 @@ def test_stage_timings_add_up_and_the_record_round_trips(target, tmp_path):
     write_records(path, [record])
     (back,) = read_records(path)
     assert back.config["policy"] == "ddtree" and back.config["budget"] == 16
+    assert back.config["tree_backend"] == backend()  # which tree core ran
     assert [p["tau"] for p in back.points] == out.taus
     assert back.summary["mean_tau"] == pytest.approx(out.mean_tau)
     assert back.summary["tokens_per_s"] == pytest.approx(sum(out.taus) / out.decode_s)

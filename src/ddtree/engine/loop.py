@@ -130,10 +130,14 @@ def generate(
         on_commit([root])
     stop = stop_condition.scan(tokens, 0)  # the prefill's token can stop the request too
     budget = policy.budget(config.block_size, config.budget)
+    layouts = None  # the verify mask's storage, allocated on the first step and reused
     while stop is None:
         clock.begin()
         tree = _propose(policy, drafter, context_hidden, root, budget, config, clock, device)
-        layout = tree_core.verify_layout(tree, target.seq_len, mask_dtype)
+        if layouts is None:  # room for the last step: start < seq_len + max_new_tokens
+            cols = target.seq_len + config.max_new_tokens + budget + 1
+            layouts = tree_core.LayoutBuffer(budget + 1, cols, mask_dtype, tree.tokens.device)
+        layout = tree_core.verify_layout(tree, target.seq_len, mask_dtype, out=layouts)
         clock.mark("layout")
         out = target.verify(tree, layout)
         clock.mark("verify")

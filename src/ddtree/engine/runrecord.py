@@ -18,6 +18,7 @@ from ddtree.records import (
     HardwareInfo,
     Provenance,
 )
+from ddtree.tree import backend as tree_backend
 
 
 def model_config(info, path: str | Path | None) -> dict[str, Any]:
@@ -85,6 +86,7 @@ def engine_run_record(
         dtype=target_info.dtype,
         device=device,
         engine_mode=engine_mode,
+        tree_backend=tree_backend(),
         prompt_set={"count": len(results), "lengths": list(prompt_lens)},
         config_extra=dict(extra or {}),
         points=[
