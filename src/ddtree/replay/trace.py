@@ -1,0 +1,274 @@
+"""Traces: one recorded greedy pass, replayable for any budget (DESIGN.md: "trace").
+
+A trace holds, per prompt, the target's greedy continuation and, at every root position p of
+that continuation (the committed token a decode step would start from), the drafter's top-K
+log-probs and token ids at its ``B - 1`` block positions given the committed prefix ``0..p-1``.
+
+File format: one safetensors file (no pickle) with three tensors, prompts concatenated, and a
+JSON header in the safetensors metadata (key ``ddtree_trace``, :class:`TraceHeader`)::
+
+    tokens         [S] int64           prompt + greedy continuation, prompt after prompt
+    topk_logprobs  [R, B-1, K] float32 sorted descending per row (log_softmax, fp32)
+    topk_tokens    [R, B-1, K] int32
+
+Prompt i has ``prompt_tokens`` T_i and ``new_tokens`` n_i (EOS included when it stopped
+there); its roots are the positions ``T_i .. T_i + n_i - 2`` (the first new token comes from the
+prefill; the root at ``T_i + n_i - 2`` drafts the last one), so ``R = sum(n_i - 1)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+FORMAT = "ddtree-trace"
+FORMAT_VERSION = 1
+HEADER_KEY = "ddtree_trace"
+TENSORS = ("tokens", "topk_logprobs", "topk_tokens")
+# Files above this are fingerprinted from their size and evenly spaced samples, not read whole.
+FULL_HASH_BYTES = 1 << 30
+SAMPLE_BYTES, SAMPLES = 1 << 20, 64
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be used as asked; the message names the file and field."""
+
+
+@dataclass
+class ModelStamp:
+    """Who produced a trace: identity and a content fingerprint of the checkpoint folder."""
+
+    name: str
+    architecture: str
+    n_params: int
+    vocab_size: int
+    dtype: str
+    fingerprint: str  # "sha256:<16 hex>" of config.json + weights, or "" when unknown
+
+
+@dataclass
+class PromptInfo:
+    prompt_tokens: int  # T
+    new_tokens: int  # n, the greedy continuation's length (>= 1)
+    stop_reason: str  # "max_new_tokens" | "eos"
+    text: str = ""
+
+    @property
+    def roots(self) -> int:
+        return self.new_tokens - 1
+
+
+@dataclass
+class TraceHeader:
+    target: ModelStamp
+    drafter: ModelStamp
+    block_size: int  # B
+    top_k: int  # K stored per depth
+    max_new_tokens: int
+    eos_token_ids: list[int]
+    prompts: list[PromptInfo]
+    device: str = "cpu"
+    content_sha256: str = ""  # of the three tensors' bytes, set when saved
+    ddtree_version: str = ""
+    format: str = FORMAT
+    version: int = FORMAT_VERSION
+
+    @property
+    def fingerprint(self) -> str:
+        """Short id of the trace's content, for records and ``--explain``."""
+        return f"trace:{self.content_sha256[:16]}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @staticmethod
+    def from_json(text: str, where: str) -> TraceHeader:
+        try:
+            data = json.loads(text)
+            if data.get("format") != FORMAT:
+                raise TraceError(f"{where}: not a ddtree trace (format {data.get('format')!r})")
+            if data.get("version") != FORMAT_VERSION:
+                raise TraceError(
+                    f"{where}: trace format version {data.get('version')!r}, this ddtree reads "
+                    f"{FORMAT_VERSION}"
+                )
+            data["target"] = ModelStamp(**data["target"])
+            data["drafter"] = ModelStamp(**data["drafter"])
+            data["prompts"] = [PromptInfo(**p) for p in data["prompts"]]
+            return TraceHeader(**data)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise TraceError(f"{where}: malformed trace header ({exc})") from None
+
+
+@dataclass
+class Trace:
+    header: TraceHeader
+    tokens: torch.Tensor  # [S] int64
+    topk_logprobs: torch.Tensor  # [R, B-1, K] float32
+    topk_tokens: torch.Tensor  # [R, B-1, K] int64 in memory (int32 on disk)
+    path: str = ""
+    # per prompt: offset of its first token in ``tokens`` and of its first root row
+    token_offsets: list[int] = field(default_factory=list)
+    root_offsets: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token_offsets, self.root_offsets = [], []
+        tok = root = 0
+        for p in self.header.prompts:
+            self.token_offsets.append(tok)
+            self.root_offsets.append(root)
+            tok += p.prompt_tokens + p.new_tokens
+            root += p.roots
+        where = self.path or "trace"
+        depth = self.header.block_size - 1
+        want = {
+            "tokens": (tok,),
+            "topk_logprobs": (root, depth, self.header.top_k),
+            "topk_tokens": (root, depth, self.header.top_k),
+        }
+        for name, shape in want.items():
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise TraceError(
+                    f"{where}: tensor {name} has shape {got}, the header implies {shape}"
+                )
+
+    @property
+    def fingerprint(self) -> str:
+        return self.header.fingerprint
+
+    def sequence(self, i: int) -> torch.Tensor:
+        """Prompt i's tokens followed by its greedy continuation: [T_i + n_i] int64."""
+        p = self.header.prompts[i]
+        start = self.token_offsets[i]
+        return self.tokens[start : start + p.prompt_tokens + p.new_tokens]
+
+    def roots(self, i: int) -> slice:
+        """Rows of prompt i in ``topk_logprobs`` / ``topk_tokens`` (root j at position T_i + j)."""
+        start = self.root_offsets[i]
+        return slice(start, start + self.header.prompts[i].roots)
+
+
+def _content_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in TENSORS:
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
+    """Write ``trace`` to ``path`` atomically (a temporary file in the same folder, then a
+    rename): an interrupted save leaves no half-written trace under the final name."""
+    from safetensors.torch import save_file
+
+    from ddtree import __version__
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "tokens": trace.tokens.to(torch.int64).contiguous(),
+        "topk_logprobs": trace.topk_logprobs.to(torch.float32).contiguous(),
+        "topk_tokens": trace.topk_tokens.to(torch.int32).contiguous(),
+    }
+    trace.header.content_sha256 = _content_sha256(tensors)
+    trace.header.ddtree_version = __version__
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        save_file(tensors, str(partial), metadata={HEADER_KEY: trace.header.to_json()})
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def load_trace(path: str | os.PathLike, verify: bool = True) -> Trace:
+    """Read a trace written by :func:`save_trace`; ``verify`` checks its content hash."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"{path}: no such trace file (write one with `ddtree replay record`)")
+    try:
+        with safe_open(str(path), "pt") as fh:
+            metadata = fh.metadata() or {}
+            names = set(fh.keys())
+            missing = [n for n in TENSORS if n not in names]
+            if HEADER_KEY not in metadata:
+                raise TraceError(f"{path}: a safetensors file without a ddtree trace header")
+            if missing:
+                raise TraceError(f"{path}: missing tensor(s) {', '.join(missing)}")
+            tensors = {n: fh.get_tensor(n) for n in TENSORS}
+    except SafetensorError as exc:
+        raise TraceError(f"{path}: not a readable safetensors file ({exc})") from None
+    header = TraceHeader.from_json(metadata[HEADER_KEY], str(path))
+    if verify and _content_sha256(tensors) != header.content_sha256:
+        raise TraceError(f"{path}: content hash differs from the header's: the file is damaged")
+    return Trace(
+        header=header,
+        tokens=tensors["tokens"],
+        topk_logprobs=tensors["topk_logprobs"],
+        topk_tokens=tensors["topk_tokens"].to(torch.int64),
+        path=str(path),
+    )
+
+
+def folder_fingerprint(path: str | os.PathLike | None) -> str:
+    """``sha256:<16 hex>`` of a checkpoint folder's ``config.json`` and ``*.safetensors``
+    files (names and bytes; files over 1 GiB by size and 64 evenly spaced 1 MiB samples).
+    ``""`` when there is no folder (a model built in memory)."""
+    if path is None:
+        return ""
+    path = Path(path)
+    files = [path / "config.json", *sorted(path.glob("*.safetensors"))]
+    digest = hashlib.sha256()
+    for file in files:
+        if not file.is_file():
+            continue
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as fh:
+            if size <= FULL_HASH_BYTES:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    digest.update(block)
+            else:
+                for i in range(SAMPLES):
+                    fh.seek(i * (size - SAMPLE_BYTES) // (SAMPLES - 1))
+                    digest.update(fh.read(SAMPLE_BYTES))
+    return f"sha256:{digest.hexdigest()[:16]}"
+
+
+def model_stamp(info, path: str | os.PathLike | None) -> ModelStamp:
+    """A :class:`ModelStamp` from a model's ``ModelInfo`` and its checkpoint folder."""
+    return ModelStamp(
+        name=info.name,
+        architecture=info.architecture,
+        n_params=int(info.n_params),
+        vocab_size=int(info.vocab_size),
+        dtype=info.dtype,
+        fingerprint=folder_fingerprint(path),
+    )
+
+
+def check_models(header: TraceHeader, where: str, target=None, drafter=None) -> None:
+    """Raise :class:`TraceError` when the trace was not recorded with these models (stamps
+    from :func:`model_stamp`); fields compared: fingerprint (when both have one), then
+    architecture, parameter count, vocabulary and dtype."""
+    for role, have, given in (("target", header.target, target), ("drafter", header.drafter, drafter)):
+        if given is None:
+            continue
+        fields = ["fingerprint"] if have.fingerprint and given.fingerprint else []
+        fields += ["architecture", "n_params", "vocab_size", "dtype"]
+        for name in fields:
+            a, b = getattr(have, name), getattr(given, name)
+            if a != b:
+                raise TraceError(
+                    f"{where}: recorded with a different {role}: {name} {a!r} in the trace, "
+                    f"{b!r} for {given.name!r}"
+                )
