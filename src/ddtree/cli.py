@@ -31,6 +31,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "engine"), "bench_engine", "sweep policies and budgets; write measurement records"),
     (("bench", "bandwidth"), "bench_bandwidth", "measure memory bandwidth of this machine"),
     (("bench", "moe"), "bench_moe", "time one MoE layer forward against verify width M"),
+    (("replay", "record"), "replay_record", "record a greedy pass with the drafter's top-K"),
+    (("replay", "tau"), "replay_tau", "exact greedy tau of chain/DDTree at any budget, from a trace"),
     (("train", "target"), "train_target", "train the bundled tiny MLA+MoE target"),
     (("train", "drafter"), "train_drafter", "train the bundled DFlash drafter on the target"),
 ]
@@ -38,6 +40,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
 GROUP_HELP = {
     "bench": "measurement harnesses that write measurement records",
     "train": "reproduce the bundled demo models",
+    "replay": "record a trace once, replay acceptance for any budget",
 }
 
 

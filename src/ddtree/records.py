@@ -6,10 +6,10 @@ A records file is JSON lines, one record per line::
      "hardware": {...}, "config": {...}, "summary": {...}, "points": [...]}
 
 - ``kind`` says what was measured; each kind is one typed dataclass (``EngineRun``,
-  ``BenchBandwidth``, ``BenchMoe``, ``BenchTree``) listed in ``RECORD_KINDS``. A field of the
-  dataclass lives in the ``config`` section (what was held fixed) or the ``summary`` section
-  (the headline figures) of the wire format; ``points`` holds the per-step or per-size
-  measurements. Keys a kind does not declare are kept, untouched, in ``config_extra`` /
+  ``BenchBandwidth``, ``BenchMoe``, ``BenchTree``, ``Acceptance``) listed in ``RECORD_KINDS``.
+  A field of the dataclass lives in the ``config`` section (what was held fixed) or the
+  ``summary`` section (the headline figures) of the wire format; ``points`` holds the per-step
+  or per-size measurements. Keys a kind does not declare are kept, untouched, in ``config_extra`` /
   ``summary_extra``, so a record read and written again loses nothing.
 - ``provenance``: which producer wrote it (``ddtree bench moe``, ``ddtree.engine``), the
   command line, the package version and the git commit when known.
@@ -469,8 +469,42 @@ class BenchTree(Record):
     device: str = config_field()
 
 
+@dataclass(kw_only=True)
+class Acceptance(Record):
+    """Measured acceptance of one policy at one (block size, budget), replayed exactly from a
+    trace (``ddtree replay tau``): a greedy pass of ``target`` with ``drafter``'s top-K.
+    ``tau_low``/``tau_high``: bootstrap interval over prompts (``interval`` central mass).
+    points: one per prompt ``{"steps": int, "tokens": int}`` (tokens committed by steps)."""
+
+    kind: ClassVar[str] = "acceptance"
+    point_keys: ClassVar[tuple[str, ...]] = ("steps", "tokens")
+
+    policy: str = config_field()  # "chain" | "ddtree"
+    block_size: int = config_field(minimum=2)
+    budget: int = config_field(minimum=1)
+    trace: str = config_field()  # the trace's fingerprint, "trace:<16 hex>"
+    trace_path: str = config_field("")
+    target: dict[str, Any] = config_field()  # name, architecture, n_params, ..., fingerprint
+    drafter: dict[str, Any] = config_field()
+    top_k: int = config_field(minimum=1)  # candidates per depth stored in the trace
+    max_new_tokens: int = config_field(minimum=1)
+
+    mean_tau: float = summary_field(minimum=1)
+    tau_low: float = summary_field(minimum=1)
+    tau_high: float = summary_field(minimum=1)
+    interval: float = summary_field(positive=True)
+    steps: int = summary_field(minimum=1)
+    prompts: int = summary_field(minimum=1)
+    tokens: int = summary_field(minimum=1)
+    histogram: list[int] = summary_field()  # steps with tau = 1 .. B
+    depth_acceptance: list[float | None] = summary_field()  # depth 1 .. B-1
+    rank_acceptance: list[float | None] = summary_field()  # sibling rank 1 ..
+    expected_tau: float = summary_field(minimum=1)  # the drafter surrogate's
+    limited_steps: int = summary_field(0, minimum=0)  # trees that reached the trace's top-K
+
+
 RECORD_KINDS: dict[str, type[Record]] = {
-    cls.kind: cls for cls in (EngineRun, BenchBandwidth, BenchMoe, BenchTree)
+    cls.kind: cls for cls in (EngineRun, BenchBandwidth, BenchMoe, BenchTree, Acceptance)
 }
 """kind -> its dataclass. Adding a kind: one dataclass above and one entry here."""
 

@@ -11,6 +11,7 @@ README), where drafting each position from scratch would cost a drafter forward 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch
 
 from ddtree import tree as tree_core
 from ddtree.engine.policies import root_tree
+from ddtree.engine.stop import StopCondition
 from ddtree.replay.trace import ModelStamp, PromptInfo, Trace, TraceHeader
 
 DEFAULT_TOP_K = 1024  # candidates per depth: enough for any budget up to 1024
@@ -37,24 +39,24 @@ class GreedyPass:
 def greedy_pass(
     target, prompt: torch.Tensor, max_new_tokens: int, eos: set[int], capture: list[int]
 ) -> GreedyPass:
-    """The target's greedy continuation of ``prompt`` [T] int64, with the hidden states of
-    layers ``capture`` (HF indexing) for every token it was fed."""
+    """The target's greedy continuation of ``prompt`` [T] int64 (stopping as the engine does:
+    ``ddtree.engine.stop``), with the hidden states of layers ``capture`` (HF indexing) for
+    every token it was fed."""
+    stop_condition = StopCondition(max_new_tokens, frozenset(eos))
     target.reset()
     target.set_capture_layers(capture)
     device = getattr(target, "device", "cpu")
     out = target.prefill(prompt.to(device))
     hidden = [out.hidden]
-    token = int(out.logits[-1].argmax())
-    new = [token]
-    stop = "eos" if token in eos else None
-    while stop is None and len(new) < max_new_tokens:
-        out = target.verify(root_tree(token, device))
+    new = [int(out.logits[-1].argmax())]
+    stop = stop_condition.scan(new, 0)
+    while stop is None:
+        out = target.verify(root_tree(new[-1], device))
         target.commit(torch.zeros(1, dtype=torch.int64, device=device))
         hidden.append(out.hidden)
-        token = int(out.logits[-1].argmax())
-        new.append(token)
-        stop = "eos" if token in eos else None
-    return GreedyPass(new, torch.cat(hidden), stop or "max_new_tokens")
+        new.append(int(out.logits[-1].argmax()))
+        stop = stop_condition.scan(new, len(new) - 1)
+    return GreedyPass(new, torch.cat(hidden), stop)
 
 
 def roots_per_forward(block_size: int, vocab_size: int) -> int:
@@ -122,14 +124,21 @@ def record_trace(
                 f"{drafter.block_size} needs {needed} positions; {target.info.name} has "
                 f"max_position {limit}"
             )
+        t0 = time.perf_counter()
         run = greedy_pass(target, prompt, max_new_tokens, eos, list(drafter.target_layer_ids))
+        t1 = time.perf_counter()
         sequence = torch.cat([prompt, torch.tensor(run.new_tokens, dtype=torch.int64)])
         lp, tok = draft_all_roots(drafter, sequence, run.hidden, int(prompt.numel()), k)
+        t2 = time.perf_counter()
         sequences.append(sequence)
         logprobs.append(lp)
         tokens.append(tok)
         text = texts[i] if texts is not None else ""
-        infos.append(PromptInfo(int(prompt.numel()), len(run.new_tokens), run.stop_reason, text))
+        infos.append(
+            PromptInfo(
+                int(prompt.numel()), len(run.new_tokens), run.stop_reason, text, t1 - t0, t2 - t1
+            )
+        )
         if on_prompt is not None:
             on_prompt(i, len(run.new_tokens))
     header = TraceHeader(

@@ -67,56 +67,86 @@ def greedy_ranks(trace: Trace, index: int) -> np.ndarray:
     return torch.where(hit.any(-1), hit.int().argmax(-1), -1).numpy()
 
 
+@dataclass
+class ReplayStep:
+    tau: int  # tokens committed (truncated at the end of the continuation)
+    accepted: int  # draft nodes accepted before truncation
+    expected_tau: float  # the drafter surrogate's 1 + sum_v exp(score_v)
+    limited: bool  # the tree reached the last stored rank while K_stored < K
+
+
+class PromptReplayer:
+    """One prompt of a trace under one policy and budget: ``step(p)`` replays the step whose
+    root is at position p; ``run()`` decodes the whole continuation."""
+
+    def __init__(self, trace: Trace, index: int, policy: str, budget: int) -> None:
+        pol = check_policy(policy)
+        header = trace.header
+        self.trace, self.index = trace, index
+        self.n_nodes = pol.budget(header.block_size, budget)
+        k_policy = pol.candidates(self.n_nodes, header.target.vocab_size)
+        k = min(k_policy, header.top_k)
+        self.check_limit = k_policy > header.top_k
+        info = header.prompts[index]
+        self.depth_count = header.block_size - 1
+        self.rows = trace.roots(index)
+        self.logprobs = trace.topk_logprobs[self.rows, :, :k]  # [n-1, L, k]
+        self.tokens = trace.topk_tokens[self.rows, :, :k]  # [n-1, L, k]
+        self.seq = trace.sequence(index).numpy()  # [T + n]
+        # the greedy token after a node at depth d of the tree rooted at p is seq[p + d + 1];
+        # -1 past the end (never matches: the engine stops there)
+        self.padded = np.concatenate([self.seq, np.full(self.depth_count + 1, -1, np.int64)])
+        self.first = info.prompt_tokens
+        self.end = info.prompt_tokens + info.new_tokens - 1  # position of the last token
+
+    def step(self, p: int) -> ReplayStep:
+        if not self.first <= p < self.end:
+            raise ValueError(f"root position {p} outside {self.first}..{self.end - 1}")
+        j = p - self.first
+        tree = tree_core.build_tree(
+            int(self.seq[p]), self.logprobs[j], self.tokens[j], self.n_nodes
+        )
+        depth = tree.depth.numpy()
+        result = tree_core.accept_greedy(tree, torch.from_numpy(self.padded[p + 1 + depth]))
+        limited = False
+        if self.check_limit and tree.n_nodes > 1:
+            top_k = self.trace.header.top_k
+            last = self.trace.topk_tokens[self.rows.start + j, depth[1:] - 1, top_k - 1]
+            limited = bool((tree.tokens[1:] == last).any())
+        return ReplayStep(
+            tau=min(result.tau, self.end - p),
+            accepted=result.tau - 1,
+            expected_tau=1.0 + float(np.exp(tree.scores.numpy()[1:]).sum()),
+            limited=limited,
+        )
+
+    def run(self) -> PromptReplay:
+        positions, steps = [], []
+        p = self.first
+        while p < self.end:
+            positions.append(p)
+            steps.append(self.step(p))
+            p += steps[-1].tau
+        positions = np.asarray(positions, dtype=np.int64)
+        accepted = np.asarray([s.accepted for s in steps], dtype=np.int64)
+        # events: the accepted path's nodes at depth d = 0 .. accepted (< L), each asking for
+        # the greedy token's rank at depth d + 1 (entries past the end are not events)
+        ranks = greedy_ranks(self.trace, self.index)[positions - self.first]  # [steps, L]
+        asked = np.arange(self.depth_count) <= accepted[:, None]
+        known = positions[:, None] + 1 + np.arange(self.depth_count) <= self.end
+        return PromptReplay(
+            positions=positions,
+            taus=np.asarray([s.tau for s in steps], dtype=np.int64),
+            accepted=accepted,
+            expected_taus=np.asarray([s.expected_tau for s in steps], dtype=np.float64),
+            ranks=ranks[asked & known],
+            limited_steps=sum(s.limited for s in steps),
+        )
+
+
 def replay_prompt(trace: Trace, index: int, policy: str, budget: int) -> PromptReplay:
     """Replay prompt ``index`` of ``trace`` under ``policy`` (chain, ddtree) at ``budget``."""
-    pol = check_policy(policy)
-    header = trace.header
-    n_nodes = pol.budget(header.block_size, budget)
-    k_policy = pol.candidates(n_nodes, header.target.vocab_size)
-    k = min(k_policy, header.top_k)
-    info = header.prompts[index]
-    depth_count = header.block_size - 1
-    rows = trace.roots(index)
-    logprobs = trace.topk_logprobs[rows, :, :k]  # [n-1, L, k] views, one per step below
-    tokens = trace.topk_tokens[rows, :, :k]
-    seq = trace.sequence(index).numpy()  # [T + n]
-    # greedy token after a node at depth d of the tree rooted at p: seq[p + d + 1]; -1 past
-    # the end (never matches: the engine stops there)
-    padded = np.concatenate([seq, np.full(depth_count + 1, -1, dtype=np.int64)])
-    first, end = info.prompt_tokens, info.prompt_tokens + info.new_tokens - 1
-    positions, taus, accepted, expected = [], [], [], []
-    limited = 0
-    check_limit = k_policy > header.top_k
-    p = first
-    while p < end:
-        j = p - first
-        tree = tree_core.build_tree(int(seq[p]), logprobs[j], tokens[j], n_nodes)
-        depth = tree.depth.numpy()
-        result = tree_core.accept_greedy(tree, torch.from_numpy(padded[p + 1 + depth]))
-        if check_limit and tree.n_nodes > 1:
-            last = trace.topk_tokens[rows.start + j, depth[1:] - 1, header.top_k - 1]
-            limited += bool((tree.tokens[1:] == last).any())
-        positions.append(p)
-        accepted.append(result.tau - 1)
-        expected.append(1.0 + float(np.exp(tree.scores.numpy()[1:]).sum()))
-        tau = min(result.tau, end - p)
-        taus.append(tau)
-        p += tau
-    positions = np.asarray(positions, dtype=np.int64)
-    accepted = np.asarray(accepted, dtype=np.int64)
-    # events: the accepted path's nodes at depth d = 0 .. accepted (< L), each asking for the
-    # greedy token's rank at depth d + 1 (-1 entries past the end are not events)
-    ranks = greedy_ranks(trace, index)[positions - first]  # [steps, L]
-    asked = np.arange(depth_count) <= accepted[:, None]
-    known = positions[:, None] + 1 + np.arange(depth_count) <= end
-    return PromptReplay(
-        positions=positions,
-        taus=np.asarray(taus, dtype=np.int64),
-        accepted=accepted,
-        expected_taus=np.asarray(expected, dtype=np.float64),
-        ranks=ranks[asked & known],
-        limited_steps=limited,
-    )
+    return PromptReplayer(trace, index, policy, budget).run()
 
 
 def replay(trace: Trace, policy: str, budget: int) -> list[PromptReplay]:

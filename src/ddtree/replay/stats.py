@@ -1,4 +1,4 @@
-"""Acceptance statistics of a replay (numpy only).
+"""Acceptance statistics of a replay.
 
 - mean tau: tokens committed per step over all steps of all prompts, with a bootstrap
   interval over prompts (prompts resampled with replacement; the statistic is the pooled
@@ -16,12 +16,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.replay.simulate import PromptReplay
+from ddtree.replay.simulate import PromptReplay, replay_points, replay_prompt
 
 RANKS_SHOWN = 8
 BOOTSTRAP_RESAMPLES = 2000
@@ -45,7 +45,8 @@ class TauSummary:
     rank_acceptance: list[float | None]  # [RANKS_SHOWN] rank 1 .. ; None: never asked
     expected_tau: float  # drafter surrogate, mean over steps
     realised_tau: float  # accepted + 1 before truncation, mean over steps
-    prompt_mean_tau: list[float]  # per prompt (nan when a prompt has no step)
+    prompt_steps: list[int]  # [prompts]
+    prompt_tokens: list[int]  # [prompts] tokens committed by the steps
     limited_steps: int  # steps whose tree may differ from the engine's (top-K cap of the trace)
 
 
@@ -88,14 +89,14 @@ def summarize(
     low, high = bootstrap_interval(per_tokens, per_steps)
     whole = accepted + 1 == taus  # steps not cut short by the end of the continuation
     full = accepted[whole]
-    depth = [_rate(int((full >= d).sum()), int((full >= d - 1).sum())) for d in range(1, block_size)]
+    depth = [
+        _rate(int((full >= d).sum()), int((full >= d - 1).sum())) for d in range(1, block_size)
+    ]
     outside = int((ranks < 0).sum())
     rank = [
         _rate(int((ranks == b).sum()), int((ranks >= b).sum()) + outside)
         for b in range(RANKS_SHOWN)
     ]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        prompt_mean = (per_tokens / per_steps).tolist()
     return TauSummary(
         policy=policy,
         block_size=block_size,
@@ -112,6 +113,63 @@ def summarize(
         rank_acceptance=rank,
         expected_tau=float(expected.mean()),
         realised_tau=float((accepted + 1).mean()),
-        prompt_mean_tau=prompt_mean,
+        prompt_steps=[int(x) for x in per_steps],
+        prompt_tokens=[int(x) for x in per_tokens],
         limited_steps=sum(r.limited_steps for r in runs),
+    )
+
+
+def replay_sweep(
+    trace,
+    policies: Sequence[str],
+    budgets: Sequence[int],
+    on_prompt: Callable[[str, int, int], None] | None = None,
+) -> list[TauSummary]:
+    """Replay every (policy, budget) point of ``trace`` (chain once: its budget is B-1);
+    ``on_prompt(policy, budget, index)`` after each prompt (progress bars)."""
+    out = []
+    for policy, budget in replay_points(trace, policies, budgets):
+        runs = []
+        for i in range(len(trace.header.prompts)):
+            runs.append(replay_prompt(trace, i, policy, budget))
+            if on_prompt is not None:
+                on_prompt(policy, budget, i)
+        out.append(summarize(runs, policy, trace.header.block_size, budget))
+    return out
+
+
+def acceptance_record(summary: TauSummary, header, trace_path: str = ""):
+    """The ``acceptance`` record (``ddtree.records.Acceptance``) of one replayed point."""
+    import dataclasses
+
+    from ddtree.records import Acceptance, HardwareInfo, Provenance
+
+    return Acceptance(
+        hardware=HardwareInfo.collect(),
+        provenance=Provenance.here("ddtree replay tau"),
+        points=[
+            {"steps": s, "tokens": t}
+            for s, t in zip(summary.prompt_steps, summary.prompt_tokens, strict=True)
+        ],
+        policy=summary.policy,
+        block_size=summary.block_size,
+        budget=summary.budget,
+        trace=header.fingerprint,
+        trace_path=str(trace_path),
+        target=dataclasses.asdict(header.target),
+        drafter=dataclasses.asdict(header.drafter),
+        top_k=header.top_k,
+        max_new_tokens=header.max_new_tokens,
+        mean_tau=summary.mean_tau,
+        tau_low=summary.tau_low,
+        tau_high=summary.tau_high,
+        interval=summary.interval,
+        steps=summary.steps,
+        prompts=summary.prompts,
+        tokens=summary.tokens,
+        histogram=summary.histogram,
+        depth_acceptance=summary.depth_acceptance,
+        rank_acceptance=summary.rank_acceptance,
+        expected_tau=summary.expected_tau,
+        limited_steps=summary.limited_steps,
     )

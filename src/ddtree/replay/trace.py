@@ -58,6 +58,8 @@ class PromptInfo:
     new_tokens: int  # n, the greedy continuation's length (>= 1)
     stop_reason: str  # "max_new_tokens" | "eos"
     text: str = ""
+    greedy_s: float = 0.0  # measured: the target's greedy pass (prefill + one verify per token)
+    draft_s: float = 0.0  # measured: drafting every root and the top-K
 
     @property
     def roots(self) -> int:
@@ -256,19 +258,22 @@ def model_stamp(info, path: str | os.PathLike | None) -> ModelStamp:
     )
 
 
-def check_models(header: TraceHeader, where: str, target=None, drafter=None) -> None:
-    """Raise :class:`TraceError` when the trace was not recorded with these models (stamps
-    from :func:`model_stamp`); fields compared: fingerprint (when both have one), then
-    architecture, parameter count, vocabulary and dtype."""
-    for role, have, given in (("target", header.target, target), ("drafter", header.drafter, drafter)):
-        if given is None:
+def check_folders(header: TraceHeader, where: str, target=None, drafter=None) -> None:
+    """Raise :class:`TraceError` unless the trace was recorded from these checkpoint folders
+    (``target``/``drafter``: paths or None to skip), by :func:`folder_fingerprint`."""
+    for role, stamp, folder in (
+        ("target", header.target, target),
+        ("drafter", header.drafter, drafter),
+    ):
+        if folder is None:
             continue
-        fields = ["fingerprint"] if have.fingerprint and given.fingerprint else []
-        fields += ["architecture", "n_params", "vocab_size", "dtype"]
-        for name in fields:
-            a, b = getattr(have, name), getattr(given, name)
-            if a != b:
-                raise TraceError(
-                    f"{where}: recorded with a different {role}: {name} {a!r} in the trace, "
-                    f"{b!r} for {given.name!r}"
-                )
+        if not stamp.fingerprint:
+            raise TraceError(
+                f"{where}: its {role} was built in memory (no fingerprint); cannot check {folder}"
+            )
+        given = folder_fingerprint(folder)
+        if given != stamp.fingerprint:
+            raise TraceError(
+                f"{where}: recorded with a different {role}: fingerprint {stamp.fingerprint} "
+                f"({stamp.name}), {folder} has {given}"
+            )
