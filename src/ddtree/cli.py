@@ -32,7 +32,12 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "bandwidth"), "bench_bandwidth", "measure memory bandwidth of this machine"),
     (("bench", "moe"), "bench_moe", "time one MoE layer forward against verify width M"),
     (("replay", "record"), "replay_record", "record a greedy pass with the drafter's top-K"),
-    (("replay", "tau"), "replay_tau", "exact greedy tau of chain/DDTree at any budget, from a trace"),
+    (
+        ("replay", "tau"),
+        "replay_tau",
+        "exact greedy tau of chain/DDTree at any budget, from a trace",
+    ),
+    (("replay", "check"), "replay_check", "compare replayed taus with the engine's, step by step"),
     (("train", "target"), "train_target", "train the bundled tiny MLA+MoE target"),
     (("train", "drafter"), "train_drafter", "train the bundled DFlash drafter on the target"),
 ]

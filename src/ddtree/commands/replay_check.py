@@ -1,0 +1,69 @@
+"""`ddtree replay check TRACE`: decode the trace's prompts with the engine and compare every
+step's tau with the replayed one (the mismatch rate of replay; expected 0)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ddtree.commands._args import int_list
+from ddtree.commands._decode import add_model_arguments, load_models
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", type=Path, help="trace file from `ddtree replay record`")
+    add_model_arguments(p, default_demo=True)
+    p.add_argument("--budgets", type=int_list, default=[1, 4, 16, 64], help="DDTree budgets N")
+    p.add_argument("--policies", default="chain,ddtree", help="comma-separated: chain,ddtree")
+    p.add_argument("--n-prompts", type=int, default=0, help="check the first n prompts (0: all)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from ddtree.replay.check import check_against_engine
+    from ddtree.replay.simulate import replay_points
+    from ddtree.replay.trace import check_folders, load_trace
+
+    console = Console()
+    trace = load_trace(args.trace)
+    with console.status("loading models..."):
+        models = load_models(args, need_drafter=True, default_demo=True)
+    check_folders(trace.header, str(args.trace), models.target_path, models.drafter_path)
+    policies = [x for x in args.policies.split(",") if x]
+    points = replay_points(trace, policies, args.budgets)
+    count = len(trace.header.prompts)
+    prompts = list(range(min(args.n_prompts, count) if args.n_prompts else count))
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("decoding", total=len(points) * len(prompts))
+
+        def advance(run) -> None:
+            label = f"{run.policy} N={run.budget} prompt {run.prompt + 1}"
+            progress.update(task, advance=1, description=label)
+
+        report = check_against_engine(
+            trace, models.target, models.drafter, policies, args.budgets, prompts, advance
+        )
+    table = Table(title=f"replay vs engine, step by step ({trace.fingerprint})")
+    for col in ("policy", "N", "runs", "steps", "mismatched steps", "lossless"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for policy, budget in points:
+        runs = [r for r in report.runs if (r.policy, r.budget) == (policy, budget)]
+        table.add_row(
+            policy,
+            str(budget),
+            str(len(runs)),
+            str(sum(r.steps for r in runs)),
+            str(sum(len(r.mismatched) for r in runs)),
+            "yes" if all(r.lossless for r in runs) else "NO",
+        )
+    console.print(table)
+    console.print(
+        f"mismatch rate {report.mismatch_rate:.2%} ({report.mismatched_steps} of "
+        f"{report.steps} engine steps; measured)"
+    )
+    if not report.lossless:
+        console.print("[red]the engine's tokens differ from the trace's greedy continuation[/red]")
+    return 0 if report.lossless and report.mismatched_steps == 0 else 1
