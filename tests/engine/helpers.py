@@ -129,10 +129,17 @@ def tiny_hf_target(kind: str, seed: int = 0, dtype=None, **overrides):
 
 
 def random_dflash_drafter(
-    target, block: int, seed: int = 0, layers: int = 1, target_layer_ids=(0, 1), mask_token_id=None
+    target,
+    block: int,
+    seed: int = 0,
+    layers: int = 1,
+    target_layer_ids=(0, 1),
+    mask_token_id=None,
+    output_multiplier: float = 1.0,
 ):
     """A random DFlash drafter on ``target``'s embedding and LM head, in the target's dtype.
-    The weights depend on ``seed`` (and the shapes) only, not on ``block``."""
+    The weights depend on ``seed`` (and the shapes) only, not on ``block``. A small
+    ``output_multiplier`` flattens its distributions (wide trees, close scores)."""
     from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
 
     info = target.info
@@ -150,6 +157,7 @@ def random_dflash_drafter(
         "dflash_config": {
             "mask_token_id": info.vocab_size - 1 if mask_token_id is None else mask_token_id,
             "target_layer_ids": list(target_layer_ids),
+            "output_multiplier": output_multiplier,
         },
     }
     torch.manual_seed(seed)

@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from tests.engine.helpers import tiny_hf_target, tiny_mla_target
+from tests.engine.helpers import random_dflash_drafter, tiny_hf_target, tiny_mla_target
 
-from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
 from ddtree.replay.check import check_against_engine
 from ddtree.replay.record import record_trace
 from ddtree.replay.simulate import replay_prompt
@@ -16,37 +14,6 @@ from ddtree.replay.simulate import replay_prompt
 # accept 2-3 draft tokens per step at the larger budgets.
 VOCAB = 12
 PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 1, 2]]
-
-
-def random_drafter(
-    target, block_size: int, seed: int = 0, output_multiplier: float = 1.0
-) -> DFlashDrafter:
-    """A random DFlash drafter sharing ``target``'s embedding and LM head; a small
-    ``output_multiplier`` flattens its distributions (wide trees, close scores)."""
-    info = target.info
-    raw = {
-        "architectures": ["DFlashDraftModel"],
-        "hidden_size": info.hidden_size,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "vocab_size": info.vocab_size,
-        "block_size": block_size,
-        "num_target_layers": info.num_layers,
-        "dflash_config": {
-            "mask_token_id": info.vocab_size - 1,
-            "target_layer_ids": [0, 1],
-            "output_multiplier": output_multiplier,
-        },
-    }
-    torch.manual_seed(seed)
-    model = DFlashModel(DFlashConfig.from_dict(raw))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    return DFlashDrafter(model, target.embed_tokens, target.lm_head)
 
 
 def assert_exact(target, drafter, prompts, budgets, max_new_tokens, eos=None, deepest=3):
@@ -63,7 +30,7 @@ def assert_exact(target, drafter, prompts, budgets, max_new_tokens, eos=None, de
 
 def test_replay_equals_the_engine_on_a_random_mla_pair():
     target = tiny_mla_target(seed=1, vocab_size=VOCAB)
-    drafter = random_drafter(target, 4, seed=2, output_multiplier=0.1)
+    drafter = random_dflash_drafter(target, 4, seed=2, layers=2, output_multiplier=0.1)
     report = assert_exact(target, drafter, PROMPTS[:2], [2, 12, 150], 16)
     assert report.steps > 40
 
@@ -77,14 +44,16 @@ def test_replay_equals_the_engine_on_random_pairs(kind, output_multiplier):
         target = tiny_mla_target(seed=3, vocab_size=VOCAB)
     else:
         target = tiny_hf_target(kind, seed=3, vocab_size=VOCAB)
-    drafter = random_drafter(target, 8, seed=4, output_multiplier=output_multiplier)
+    drafter = random_dflash_drafter(
+        target, 8, seed=4, layers=2, output_multiplier=output_multiplier
+    )
     report = assert_exact(target, drafter, PROMPTS, [1, 4, 24, 150], 20)
     assert report.steps > 80
 
 
 def test_replay_stops_where_the_engine_stops_at_eos():
     target = tiny_mla_target(seed=1, vocab_size=VOCAB)
-    drafter = random_drafter(target, 4, seed=2, output_multiplier=0.1)
+    drafter = random_dflash_drafter(target, 4, seed=2, layers=2, output_multiplier=0.1)
     full = record_trace(target, drafter, PROMPTS[:1], 24)
     eos = int(full.sequence(0)[len(PROMPTS[0]) + 9])  # a token the continuation reaches
     trace = record_trace(target, drafter, PROMPTS[:1], 24, eos_token_ids=[eos])
