@@ -177,8 +177,16 @@ def transformers_greedy(model, prompts: torch.Tensor, max_new_tokens: int, eos_t
         pad_token_id=0,
         bos_token_id=None,
     )
-    with torch.inference_mode():
-        out = model.generate(prompts, generation_config=config)[:, prompts.shape[1] :].tolist()
+    # these settings alone: generate fills unset ones (eos_token_id=None) from the model's own
+    # generation_config, and random configs carry an EOS id (Llama's 2)
+    saved, model.generation_config = model.generation_config, config
+    try:
+        with torch.inference_mode():
+            # an explicit mask: without one, transformers masks every prompt token equal to pad
+            out = model.generate(prompts, attention_mask=torch.ones_like(prompts))
+    finally:
+        model.generation_config = saved
+    out = out[:, prompts.shape[1] :].tolist()
     eos = set(eos_token_ids)
     cut = [next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) for row in out]
     return [row[:n] for row, n in zip(out, cut, strict=True)]

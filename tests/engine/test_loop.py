@@ -1,18 +1,17 @@
-"""The decode loop: greedy chain and DDTree equal AR token for token; sampled decoding follows
-the target's distribution; stop conditions; stage timings and records."""
+"""The decode loop: greedy chain and DDTree equal AR token for token; stop conditions; stage
+timings and records. (Sampled decoding: test_sampled.py.)"""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddtree.engine import ContextLengthError, DecodeConfig, engine_run_record, generate
 from ddtree.records import STEP_STAGES, read_records, write_records
-from ddtree.tree import backend, process_logits
+from ddtree.tree import backend
 
 from .helpers import ScriptedDrafter, random_dflash_drafter, tiny_hf_target, tiny_mla_target
 
@@ -78,58 +77,6 @@ def test_property_greedy_lossless_over_random_models_and_prompts(seed, prompt, b
     drafter = ScriptedDrafter(prompt + ar.tokens, 61, block, hit=hit, seed=seed)
     cfg = DecodeConfig("ddtree", block_size=block, budget=budget, max_new_tokens=20)
     assert generate(target, drafter, prompt, cfg).tokens == ar.tokens
-
-
-def _chi2_threshold(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty upper quantile of chi-square (z = 3.09: p = 0.001)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def _exact_two_token_distribution(target, prompt, temperature, top_p):
-    # P(t1, t2 | prompt) from the target's own processed distributions
-    target.reset()
-    first = process_logits(
-        target.prefill(torch.tensor(prompt)).logits[-1], temperature, None, top_p
-    )
-    probs = {}
-    for t1 in range(first.shape[0]):
-        target.reset()
-        logits = target.prefill(torch.tensor(prompt + [t1])).logits[-1]
-        second = process_logits(logits, temperature, None, top_p)
-        for t2 in range(second.shape[0]):
-            probs[(t1, t2)] = float((first[t1] + second[t2]).exp())
-    return probs
-
-
-@pytest.mark.parametrize(
-    "policy, budget, top_p", [("chain", 0, 1.0), ("ddtree", 6, 1.0), ("ddtree", 6, 0.9)]
-)
-def test_sampled_decoding_follows_the_target_distribution(policy, budget, top_p):
-    vocab, temperature, samples = 4, 1.0, 1200
-    target = tiny_mla_target(seed=1, scale=0.3, vocab_size=vocab)
-    prompt = [1, 2, 3]
-    exact = _exact_two_token_distribution(target, prompt, temperature, top_p)
-    counts = dict.fromkeys(exact, 0)
-    script = [0] * 16  # the drafter's guesses are noise: acceptance does the work
-    for seed in range(samples):
-        drafter = ScriptedDrafter(script, vocab, 4, hit=0.5, seed=seed)
-        cfg = DecodeConfig(
-            policy,
-            block_size=4,
-            budget=budget,
-            max_new_tokens=2,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-        )
-        counts[tuple(generate(target, drafter, prompt, cfg).tokens)] += 1
-    cells = [(counts[c], exact[c] * samples) for c in exact if exact[c] * samples >= 5]
-    rare = [c for c in exact if 0 < exact[c] * samples < 5]  # pooled into one cell
-    cells.append((sum(counts[c] for c in rare), sum(exact[c] for c in rare) * samples))
-    cells = [(o, e) for o, e in cells if e > 0]
-    assert sum(counts[c] for c in exact if exact[c] == 0) == 0  # filtered tokens never appear
-    chi2 = sum((o - e) ** 2 / e for o, e in cells)
-    assert chi2 < _chi2_threshold(len(cells) - 1), (chi2, len(cells))
 
 
 class _WordTokenizer:
