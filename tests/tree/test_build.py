@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ddtree.tree import build_tree, build_trees, load_backend
 from ddtree.tree.backends import BackendUnavailable
+from ddtree.tree.build import _candidate_pairs, _pair_count
 from ddtree.tree.reference import build_tree_ref, visibility_ref
 
 
@@ -196,6 +197,17 @@ def test_batched_candidate_pruning_is_exact_with_wide_k_and_ties(seed):
     for i in range(3):
         ref = build_tree_ref(i + 1, lps[i].numpy(), toks[i].numpy(), budget)
         _assert_same(batch.tree(i), ref)
+
+
+def test_candidate_pairs_worked_example_and_count():
+    i, j = _candidate_pairs(3, 4, 4, "cpu")  # the docstring's example
+    assert i.tolist() == [0, 0, 0, 0, 1, 1, 2] and j.tolist() == [0, 1, 2, 3, 0, 1, 0]
+    for p, k, n in itertools.product(range(1, 12), range(1, 12), range(0, 40)):
+        pairs = [(a, b) for a in range(p) for b in range(k) if (a + 1) * (b + 1) <= n]
+        assert _pair_count(p, k, n) == len(pairs)
+        if n in (0, 7, 39):
+            i, j = _candidate_pairs(p, k, n, "cpu")
+            assert list(zip(i.tolist(), j.tolist(), strict=True)) == pairs
 
 
 # ops that read device data on the host or carry data-dependent (unbacked) sizes: none may

@@ -169,6 +169,17 @@ class DraftTreeBatch:
         )
 
 
+def _pair_count(p: int, k: int, n: int) -> int:
+    """sum(min(k, n // q) for q in 1..p), over the O(sqrt(n)) runs of equal n // q."""
+    total, q = 0, 1
+    while q <= p and n // q > 0:
+        v = n // q
+        last = min(p, n // v)  # the last q with n // q == v
+        total += min(k, v) * (last - q + 1)
+        q = last + 1
+    return total
+
+
 def _candidate_pairs(p: int, k: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Static (parent score rank i, child rank j) pairs with (i + 1) * (j + 1) <= n, i < p,
     j < k, in (i, j) order: [C] int64 each. Made on ``device`` from shapes alone (no host
@@ -179,8 +190,7 @@ def _candidate_pairs(p: int, k: int, n: int, device) -> tuple[torch.Tensor, torc
     """
     counts = torch.clamp(n // torch.arange(1, p + 1, device=device), max=k)  # [p]
     ends = counts.cumsum(0)
-    c = sum(min(k, n // (i + 1)) for i in range(p))
-    flat = torch.arange(c, device=device)
+    flat = torch.arange(_pair_count(p, k, n), device=device)
     i = torch.searchsorted(ends, flat, right=True)
     return i, flat - (ends - counts)[i]
 
@@ -219,6 +229,7 @@ def build_trees(
     parent_ranks = torch.full((r_count, 1, n_depth), -1, dtype=torch.int64, device=device)
     parent_ids = torch.full((r_count, 1), -1, dtype=torch.int64, device=device)
     offset = 0
+    pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for d in range(n_depth if n > 0 and k > 0 else 0):
         p = parent_scores.shape[1]
         keep = min(n, p * k)
@@ -226,7 +237,9 @@ def build_trees(
         # the level's top N if (i + 1) * (j + 1) <= N; otherwise N children of better-or-equal
         # parents with better-or-equal ranks outrank it (ties included). Example N = 4, K = 4:
         # pairs (0,0..3), (1,0..1), (2,0), (3,0): 8 candidates instead of P * K = 16.
-        pi, pj = _candidate_pairs(p, k, n, device)  # [C] each
+        if p not in pairs:  # p is the same at most depths: make each set once per call
+            pairs[p] = _candidate_pairs(p, k, n, device)
+        pi, pj = pairs[p]  # [C] each
         by_score = torch.sort(parent_scores, dim=1, descending=True, stable=True).indices
         cand_parent = by_score[:, pi]  # [R, C] parent's index in lexicographic order
         cand_lex = cand_parent * k + pj  # [R, C] position in the lexicographic (parent, rank) grid
