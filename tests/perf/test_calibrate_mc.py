@@ -148,4 +148,4 @@ def test_a_case_at_its_own_anchor_centres_on_it():
     est = estimate(load(None), samples=6000, seed=0)
     now = next(r for r in est.results if r.case.name.startswith("B300 now"))
     assert now.tokens_per_s[10] < 303 < now.tokens_per_s[90]
-    assert now.tokens_per_s[50] == pytest.approx(303, rel=0.015)
+    assert now.tokens_per_s[50] == pytest.approx(303, rel=0.03)  # the anchor's noise

@@ -182,13 +182,18 @@ def test_each_host_component_alone():
     assert cost.verify_layout(p, P).seconds == pytest.approx(
         2 * (eng.layout_fixed_s + 8 * eng.layout_per_node_s)
     )
-    assert cost.accept_walk(p, P).seconds == pytest.approx(2 * 8 * eng.accept_per_node_s)
+    assert cost.accept_walk(p, P).seconds == pytest.approx(
+        2 * (eng.accept_fixed_s + 8 * eng.accept_per_node_s)
+    )
+    assert cost.commit_glue(p, P).seconds == pytest.approx(2 * eng.commit_fixed_s)
     # the sort of the K = min(N, V) kept candidates grows with the budget
     sort8, sort64 = (cost.topk_sort(K2T, _point(budget=n), P) for n in (8, 64))
-    assert sort8.seconds == pytest.approx(7 * 8 * eng.topk_per_candidate_s)
-    assert sort64.seconds == pytest.approx(8 * sort8.seconds)
+    assert sort8.seconds == pytest.approx(eng.topk_fixed_s + 7 * 8 * eng.topk_per_candidate_s)
+    assert sort64.seconds - sort8.seconds == pytest.approx(7 * 56 * eng.topk_per_candidate_s)
     chain = _point(policy=Policy.CHAIN, budget=7)
-    assert cost.topk_sort(K2T, chain, P).seconds == pytest.approx(7 * eng.topk_per_candidate_s)
+    assert cost.topk_sort(K2T, chain, P).seconds == pytest.approx(
+        eng.topk_fixed_s + 7 * eng.topk_per_candidate_s
+    )
     assert cost.framework_overhead(p, P).seconds == eng.step_overhead_s
     ar = cost.tp_allreduce(K2T, _point(), P, VERIFY)
     b300 = load_catalog()["b300"]

@@ -64,6 +64,9 @@ class Hardware:
     # device names (as torch / nvidia-smi report them) this entry stands for: each pattern is
     # words that must all appear as whole words; "!word" must not appear (see ``match_gpu``)
     match: tuple[str, ...] = ()
+    # runs ddtree's own eager MoE, which loops over the touched experts (a few kernels each);
+    # GPU serving engines run a fused MoE kernel. True for ``this_machine`` (our records)
+    looped_moe: bool = False
 
     def peak_flops(self, precision: str) -> float:
         """Dense FLOP/s for a compute precision; falls back to the next wider one."""
@@ -230,6 +233,7 @@ def this_machine(records: list) -> Hardware | None:
             name=f"this machine ({gpu}, {best.device}; catalog {entry.key})",
             hbm_bytes_per_s=best.bytes_per_s,
             provenance={**entry.provenance, "hbm_bandwidth": measured},
+            looped_moe=True,
         )
     threads = best.threads or best.hardware.cpu_cores or 1
     return Hardware(
@@ -242,6 +246,7 @@ def this_machine(records: list) -> Hardware | None:
         interconnect="none (single device)",
         link_bytes_per_s=0.0,
         overlaps_memory_and_compute=False,
+        looped_moe=True,
         allreduce_latency_s=0.0,
         provenance={
             "hbm_bandwidth": measured,

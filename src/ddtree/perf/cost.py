@@ -34,9 +34,11 @@ Every input may be a float or a numpy array (Monte Carlo samples); outputs broad
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from importlib import resources
 
 import numpy as np
 
@@ -44,19 +46,17 @@ from ddtree.perf.catalog import Hardware
 from ddtree.perf.model import COMPUTE_PRECISION, PRECISION_BYTES, ModelShape
 from ddtree.records import Policy, Stage
 
-# Kernels per layer in one forward, for launch overhead (assumed: an eager PyTorch/SGLang
-# MLA+MoE layer; a fused native engine launches fewer, which its lower launch_s stands for).
-KERNELS = {
-    "attention": 8,  # norm, q down/up, kv down, rope, attention, o proj, residual
-    "routed_moe": 6,  # router, top-k, gate_up, activation, down, combine
-    "shared_experts": 3,
-    "dense_mlp": 3,
-    "lm_head": 2,
-    "drafter_layer": 10,
-    "topk": 2,
-    "accept": 3,
-    "commit_per_layer": 1,
-}
+
+def _load_kernels() -> dict[str, float]:
+    text = resources.files("ddtree.perf").joinpath("data/kernels.toml").read_text()
+    return dict(tomllib.loads(text)["kernels"])
+
+
+KERNELS: dict[str, float] = _load_kernels()
+"""Kernels per layer (per step for topk/accept, per forward for lm_head) of ddtree's eager
+MLA+MoE engine, counted with torch.profiler (``ddtree.bench.kernels``, data/kernels.toml).
+Launch time is these counts x the profile's ``launch``: a fused or graph-replayed engine runs
+fewer, cheaper kernels, which its fitted ``launch`` absorbs."""
 
 
 @dataclass(frozen=True)
@@ -108,12 +108,15 @@ BASE_PARAMS: dict[str, ParamSpec] = {
 ENGINE_PARAMS: dict[str, tuple[float, str]] = {
     "step_overhead": (3, "host overhead per step"),
     "launch": (2, "time per kernel launch"),
+    "topk_fixed": (3, "top-k glue per step (selection setup, copies to the tree builder)"),
     "topk_per_candidate": (3, "top-k cost per candidate kept, per drafted position"),
     "tree_fixed": (2, "tree build, fixed part"),
     "tree_per_node": (2, "tree build per draft node"),
     "layout_fixed": (3, "verify layout (positions + ancestor mask), fixed part"),
     "layout_per_node": (3, "verify layout per draft node"),
+    "accept_fixed": (3, "acceptance glue per step (host: sampling, the walk's setup)"),
     "accept_per_node": (3, "acceptance walk over the verified tree, per draft node (host)"),
+    "commit_fixed": (3, "KV commit glue per step (host: the compaction plan)"),
 }
 
 
@@ -123,13 +126,17 @@ class EngineProfile:
 
     name: str
     step_overhead_s: float  # per step: Python dispatch, sampling glue, scheduler
-    launch_s: float  # per kernel launch (eager dispatch; graph replay per kernel node)
+    launch_s: float  # per kernel of ddtree's eager layer (KERNELS): dispatch, or its share of
+    # a fused / graph-replayed kernel
+    topk_fixed_s: float  # per request per step
     topk_per_candidate_s: float  # per candidate kept per drafted position (sort cost)
     tree_fixed_s: float  # per request per step: top-k copy to host + heap setup (or GPU kernel)
     tree_per_node_s: float  # per draft node
     layout_fixed_s: float  # per request per step: positions + ancestor-only mask
     layout_per_node_s: float
+    accept_fixed_s: float  # per request per step
     accept_per_node_s: float  # walk over the verified tree, per draft node
+    commit_fixed_s: float  # per request per step
     about: str = ""
 
     def specs(self) -> dict[str, ParamSpec]:
@@ -149,7 +156,9 @@ _HOST_TREE = dict(
     tree_per_node_s=3e-6,
     layout_fixed_s=30e-6,
     layout_per_node_s=0.3e-6,
+    accept_fixed_s=30e-6,
     accept_per_node_s=0.2e-6,
+    commit_fixed_s=30e-6,
 )
 _HOST_TREE_ABOUT = (
     "tree built on the CPU (heap ~90 µs at N=32, ~3 µs per node at N=1024: DESIGN.md)"
@@ -159,7 +168,8 @@ ENGINES: dict[str, EngineProfile] = {
     "eager": EngineProfile(
         "eager",
         step_overhead_s=5e-3,
-        launch_s=5e-6,
+        launch_s=1e-6,
+        topk_fixed_s=10e-6,
         topk_per_candidate_s=2e-9,
         **_HOST_TREE,
         about="eager PyTorch (HF transformers, the seed's SGLang DDTree path): Python dispatch "
@@ -168,7 +178,8 @@ ENGINES: dict[str, EngineProfile] = {
     "graphs": EngineProfile(
         "graphs",
         step_overhead_s=0.5e-3,
-        launch_s=1.5e-6,
+        launch_s=0.25e-6,
+        topk_fixed_s=10e-6,
         topk_per_candidate_s=2e-9,
         **_HOST_TREE,
         about="CUDA-graph replay (SGLang/vLLM decode, torch.compile): a kernel costs a graph "
@@ -177,13 +188,16 @@ ENGINES: dict[str, EngineProfile] = {
     "native": EngineProfile(
         "native",
         step_overhead_s=0.3e-3,
-        launch_s=1e-6,
+        launch_s=0.15e-6,
+        topk_fixed_s=10e-6,
         topk_per_candidate_s=2e-9,
         tree_fixed_s=15e-6,
         tree_per_node_s=0.05e-6,
         layout_fixed_s=3e-6,
         layout_per_node_s=0.01e-6,
+        accept_fixed_s=3e-6,
         accept_per_node_s=0.01e-6,
+        commit_fixed_s=3e-6,
         about="native C++/CUDA engine: graph-replayed kernels, tree built and walked on the "
         "GPU (assumed; no anchor)",
     ),
@@ -482,11 +496,14 @@ def routed_moe(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Comp
     Lm = model.num_moe_layers
     if not Lm:
         return None
-    nbytes, flops, prec = routed_moe_layer(model, fwd.width * pt.concurrency, pt.tp,
-                                           pt.experts_curve)  # fmt: skip
+    tokens = fwd.width * pt.concurrency
+    nbytes, flops, prec = routed_moe_layer(model, tokens, pt.tp, pt.experts_curve)
+    launches = KERNELS["routed_moe"]
+    if pt.hardware.looped_moe:  # ddtree's own MoE: a few kernels per touched expert
+        touched = experts_touched(model.n_routed_experts, model.top_k, tokens, pt.experts_curve)
+        launches = launches + KERNELS["routed_moe_per_expert"] * touched / pt.tp
     return _device(
-        "routed MoE", fwd.stage, pt, params, Lm * nbytes, Lm * flops, prec,
-        Lm * KERNELS["routed_moe"],
+        "routed MoE", fwd.stage, pt, params, Lm * nbytes, Lm * flops, prec, Lm * launches,
         "L_moe x E(1-(1-k/E)^(M*C)) x expert params x bytes/param / TP"
         + (" [measured experts curve]" if pt.experts_curve else ""),
         efficiency="moe_efficiency",
@@ -605,11 +622,13 @@ def topk(model: ModelShape, pt: Point, params: dict) -> Component:
 def topk_sort(model: ModelShape, pt: Point, params: dict) -> Component:
     """The top-k's selection and sort of the K kept candidates: grows with the budget (K =
     min(N, V) for ddtree)."""
+    fixed = engine_value(params, pt.engine, "topk_fixed", pt.hardware)
     per = engine_value(params, pt.engine, "topk_per_candidate", pt.hardware)
-    rows = pt.concurrency * (pt.block_size - 1)
+    rows = pt.block_size - 1
     return _host(
-        "top-k sort over K", Stage.TOPK, pt, rows * candidates(model, pt) * per,
-        "C x (B-1) x K x per candidate",
+        "top-k sort over K", Stage.TOPK, pt,
+        pt.concurrency * (fixed + rows * candidates(model, pt) * per),
+        "C x (fixed + (B-1) x K x per candidate)",
     )  # fmt: skip
 
 
@@ -640,10 +659,19 @@ def accept(model: ModelShape, pt: Point, params: dict) -> Component:
 
 
 def accept_walk(pt: Point, params: dict) -> Component:
+    fixed = engine_value(params, pt.engine, "accept_fixed", pt.hardware)
     per_node = engine_value(params, pt.engine, "accept_per_node", pt.hardware)
     return _host(
-        "accept walk", Stage.ACCEPT, pt, pt.concurrency * pt.budget * per_node,
-        "C x N x per node (the accepted path is walked on the host)",
+        "accept walk", Stage.ACCEPT, pt, pt.concurrency * (fixed + pt.budget * per_node),
+        "C x (fixed + N x per node) (the accepted path is walked on the host)",
+    )  # fmt: skip
+
+
+def commit_glue(pt: Point, params: dict) -> Component:
+    return _host(
+        "KV commit glue", Stage.COMMIT, pt,
+        pt.concurrency * engine_value(params, pt.engine, "commit_fixed", pt.hardware),
+        "C x fixed (the compaction plan, on the host)",
     )  # fmt: skip
 
 
@@ -701,6 +729,7 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
                 accept(model, pt, params),
                 accept_walk(pt, params),
                 kv_commit(model, pt, params, tau),
+                commit_glue(pt, params),
             )
             if c is not None
         ]
