@@ -12,6 +12,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import re
 import sys
 import warnings
 
@@ -53,8 +54,16 @@ def _available(module: str) -> bool:
     return importlib.util.find_spec(f"ddtree.commands.{module}") is not None
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line naming the argument (argparse's default prints the whole
+    usage first); subcommand parsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddtree", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="ddtree", description=__doc__.splitlines()[0])
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, module, help_text in COMMANDS:
@@ -103,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as e:
+        # sizes too large for this machine (a huge --vocab, --samples, ...): one line saying so
+        if not _out_of_memory(e) or os.environ.get("DDTREE_DEBUG"):
+            raise
+        print(f"error: out of memory ({_allocation(e)}); ask for smaller sizes", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -110,3 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         parallel = sys.modules.get("ddtree.models.parallel")
         if parallel is not None:  # release the ranks of --tp targets the command opened
             parallel.close_open_targets()
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """MemoryError (numpy, Python), or torch's allocation failures (CPU allocator RuntimeError,
+    CUDA ``OutOfMemoryError``)."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    return "can't allocate memory" in str(e)
+
+
+def _allocation(e: BaseException) -> str:
+    """What failed to allocate, in one line: torch's ``you tried to allocate N bytes`` as GB."""
+    match = re.search(r"tried to allocate (\d+) bytes", str(e))
+    if match:
+        return f"tried to allocate {int(match.group(1)) / 1e9:,.1f} GB"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

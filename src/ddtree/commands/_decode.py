@@ -9,6 +9,15 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
+from ddtree.commands._args import (
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+    seed,
+    threads,
+)
+
 DEMO_DIR = Path(str(files("ddtree") / "assets" / "demo"))
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -27,20 +36,20 @@ def add_model_arguments(p: argparse.ArgumentParser, default_demo: bool) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument(
         "--threads",
-        type=int,
+        type=threads,
         default=0,
         help="torch CPU threads, 0 for torch's default (default: %(default)s)",
     )
     p.add_argument(
         "--tp",
-        type=int,
+        type=positive_int,
         default=1,
         help="split the MLA+MoE target over N processes (spawned here, or the ranks torchrun "
         "started); rank 0 runs the drafter and the tree (default: %(default)s)",
     )
     p.add_argument(
         "--ep",
-        type=int,
+        type=positive_int,
         default=1,
         help="with --tp: split the routed experts into N groups of whole experts (N divides "
         "--tp); 1 splits every expert's intermediate instead (default: %(default)s)",
@@ -48,18 +57,18 @@ def add_model_arguments(p: argparse.ArgumentParser, default_demo: bool) -> None:
 
 
 def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    p.add_argument("--block", type=int, default=8, help="block size B (drafter slots)")
+    p.add_argument("--block", type=positive_int, default=8, help="block size B (drafter slots)")
     p.add_argument(
         "--budget",
-        type=int,
+        type=positive_int,
         default=32,
         help="DDTree budget N, non-root nodes (default: %(default)s)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (1: off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="sampling top-k (0: off)")
+    p.add_argument("--top-p", type=probability, default=1.0, help="sampling top-p (1: off)")
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
 
 
 def decode_config(args: argparse.Namespace, policy: str, budget: int | None = None, **extra):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ddtree.commands._args import int_list
+from ddtree.commands._args import int_list_upto, non_negative_int, positive_int, threads
 
 
 def _methods(text: str) -> list[str]:
@@ -35,13 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sizes-mib",
-        type=int_list,
+        type=int_list_upto(1 << 20),
         default=[256],
         help="buffer sizes in MiB, well above the last-level cache (default 256)",
     )
-    p.add_argument("--repeats", type=int, default=10, help="timed samples per point (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed samples first (default 2)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=10, help="timed samples per point (default 10)"
+    )
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=2, help="untimed samples first (default 2)"
+    )
+    p.add_argument("--threads", type=threads, default=0, help="torch threads (0: torch's default)")
     p.add_argument(
         "--records", help="append bench_bandwidth measurement records to this JSONL file"
     )

@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ddtree.commands._args import int_list
+from ddtree.commands._args import int_list, non_negative_int
 from ddtree.commands._decode import (
     add_decode_arguments,
     add_model_arguments,
@@ -25,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--budgets", type=int_list, default=[8, 16, 32, 64, 128], help="DDTree budgets N"
     )
     p.add_argument("--prompts", type=Path, help="JSON list of prompt strings (default: demo's)")
-    p.add_argument("--n-prompts", type=int, default=0, help="use the first n prompts (0: all)")
+    p.add_argument(
+        "--n-prompts", type=non_negative_int, default=0, help="use the first n prompts (0: all)"
+    )
     p.add_argument(
         "--records", type=Path, help="engine_run records file (default runs/engine-*.jsonl)"
     )

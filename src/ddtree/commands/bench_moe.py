@@ -8,7 +8,14 @@ import json
 import sys
 from pathlib import Path
 
-from ddtree.commands._args import int_list
+from ddtree.commands._args import (
+    int_list,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    seed,
+    threads,
+)
 
 
 def _precisions(text: str) -> list[str]:
@@ -21,29 +28,17 @@ def _precisions(text: str) -> list[str]:
     return names
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of bytes per second such as 12e9, got {text!r}"
-        ) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive bytes/s figure, got {text!r}")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         help="a Hugging Face DeepseekV3 / Kimi-K2 config.json (or its folder) for the MoE sizes; "
         "default: Kimi-K2 routing (384 experts, top-8, 1 shared) at hidden 1024, width 256",
     )
-    p.add_argument("--hidden", type=int, help="hidden size H (overrides --config)")
-    p.add_argument("--moe-intermediate", type=int, help="routed expert width I")
-    p.add_argument("--experts", type=int, help="routed experts E")
-    p.add_argument("--top-k", type=int, help="experts per token k")
-    p.add_argument("--shared-experts", type=int, help="shared experts (always run)")
+    p.add_argument("--hidden", type=positive_int, help="hidden size H (overrides --config)")
+    p.add_argument("--moe-intermediate", type=positive_int, help="routed expert width I")
+    p.add_argument("--experts", type=positive_int, help="routed experts E")
+    p.add_argument("--top-k", type=positive_int, help="experts per token k")
+    p.add_argument("--shared-experts", type=non_negative_int, help="shared experts (always run)")
     p.add_argument(
         "--ms",
         type=int_list,
@@ -53,21 +48,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precisions", type=_precisions, default=["bf16", "int4"], help="bf16,int4 (default both)"
     )
-    p.add_argument("--group-size", type=int, default=32, help="INT4 scale group (default 32)")
+    p.add_argument(
+        "--group-size", type=positive_int, default=32, help="INT4 scale group (default 32)"
+    )
     p.add_argument(
         "--device",
         default="auto",
         choices=("auto", "cpu", "cuda"),
         help="auto: CUDA when torch sees it, else the CPU",
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed forwards per M (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed forwards first (default 1)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed forwards per M (default 5)"
+    )
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=1, help="untimed forwards first (default 1)"
+    )
+    p.add_argument("--threads", type=threads, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=seed, default=0, help="weights seed (default 0)")
     peak = p.add_mutually_exclusive_group()
     peak.add_argument(
         "--peak-bytes-per-s",
-        type=_positive_float,
+        type=positive_float,
         help="peak memory bandwidth to compare against, SI bytes/s (e.g. 12e9)",
     )
     peak.add_argument(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ddtree.commands._args import int_list
+from ddtree.commands._args import int_list, non_negative_int, positive_int, threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,15 +14,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budgets", type=int_list, default=[16, 32, 64, 128, 256, 512, 1024], help="budgets N"
     )
-    p.add_argument("--vocab", type=int, default=151936, help="vocabulary size V (Qwen3: 151936)")
+    p.add_argument(
+        "--vocab", type=positive_int, default=151936, help="vocabulary size V (Qwen3: 151936)"
+    )
     p.add_argument(
         "--batch", type=int_list, default=[1, 64], help="batched-builder request counts R"
     )
-    p.add_argument("--prefix", type=int, default=128, help="committed tokens S before the tree")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per point (median)")
+    p.add_argument(
+        "--prefix", type=non_negative_int, default=128, help="committed tokens S before the tree"
+    )
+    p.add_argument(
+        "--repeats", type=positive_int, default=20, help="timed calls per point (median)"
+    )
     p.add_argument(
         "--threads",
-        type=int,
+        type=threads,
         default=1,
         help="torch threads (default 1: the tree core is single-threaded; 0: torch's default)",
     )

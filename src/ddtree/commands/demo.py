@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ddtree.commands._args import non_negative_int, positive_int
 from ddtree.commands._decode import add_decode_arguments, add_model_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, default_demo=True)
     p.add_argument("--prompts", type=Path, help="JSON list of prompt strings (default: demo's)")
-    p.add_argument("--n-prompts", type=int, default=4, help="how many prompts to decode")
+    p.add_argument("--n-prompts", type=positive_int, default=4, help="how many prompts to decode")
     p.add_argument("--records", type=Path, help="engine_run records (default runs/engine-*.jsonl)")
-    p.add_argument("--show", type=int, default=2, help="print the DDTree text of this many")
+    p.add_argument(
+        "--show", type=non_negative_int, default=2, help="print the DDTree text of this many"
+    )
     add_decode_arguments(p, max_new_tokens=96)
     # The demo's models are tiny: one thread is fastest, and two OpenMP threads spinning on a
     # shared 2-core machine made AR steps 10x slower in our runs (a fake 10x "speedup").

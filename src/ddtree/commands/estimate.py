@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddtree.commands._args import int_list
+from ddtree.commands._args import int_list, positive_int, seed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,9 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --backtest: calibrate on runs at these budgets, predict the others",
     )
     p.add_argument(
-        "--samples", type=int, default=10_000, help="Monte Carlo samples (default 10000)"
+        "--samples", type=positive_int, default=10_000, help="Monte Carlo samples (default 10000)"
     )
-    p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="Monte Carlo seed (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ddtree.commands._args import int_list
+from ddtree.commands._args import int_list, non_negative_int
 from ddtree.commands._decode import add_model_arguments, load_models
 
 
@@ -15,7 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, default_demo=True)
     p.add_argument("--budgets", type=int_list, default=[1, 4, 16, 64], help="DDTree budgets N")
     p.add_argument("--policies", default="chain,ddtree", help="comma-separated: chain,ddtree")
-    p.add_argument("--n-prompts", type=int, default=0, help="check the first n prompts (0: all)")
+    p.add_argument(
+        "--n-prompts", type=non_negative_int, default=0, help="check the first n prompts (0: all)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

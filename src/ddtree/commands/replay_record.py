@@ -7,17 +7,20 @@ import argparse
 import time
 from pathlib import Path
 
+from ddtree.commands._args import non_negative_int, positive_int
 from ddtree.commands._decode import add_model_arguments, demo_prompts, load_models
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, default_demo=True)
     p.add_argument("--prompts", type=Path, help="JSON list of prompt strings (default: demo's)")
-    p.add_argument("--n-prompts", type=int, default=0, help="use the first n prompts (0: all)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
+    p.add_argument(
+        "--n-prompts", type=non_negative_int, default=0, help="use the first n prompts (0: all)"
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="default: %(default)s")
     p.add_argument(
         "--top-k",
-        type=int,
+        type=positive_int,
         default=1024,
         help="drafter candidates stored per depth, capped at the vocabulary; a budget N replays "
         "exactly when N <= K (default: %(default)s)",

@@ -6,6 +6,8 @@ import argparse
 from dataclasses import fields
 from pathlib import Path
 
+from ddtree.commands._args import non_negative_int, positive_float, positive_int, seed, threads
+
 DEFAULT_OUT = "runs/demo-target"
 
 
@@ -14,17 +16,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     d = TargetTrainConfig()
     p.add_argument("--out", default=DEFAULT_OUT, help="model directory (checkpoint/ inside)")
-    p.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--max-files", type=int, default=None, help="first N corpus files only")
-    p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint interval")
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="total optimizer steps")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
+    p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
+    p.add_argument("--lr", type=positive_float, default=d.lr)
+    p.add_argument("--warmup-steps", type=non_negative_int, default=d.warmup_steps)
+    p.add_argument("--vocab-size", type=positive_int, default=d.vocab_size)
+    p.add_argument("--seed", type=seed, default=d.seed)
+    p.add_argument("--max-files", type=positive_int, default=None, help="first N corpus files only")
+    p.add_argument(
+        "--save-every", type=positive_int, default=d.save_every, help="checkpoint interval"
+    )
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument(
+        "--threads", type=threads, default=2, help="torch CPU threads (0: torch's default)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -33,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ddtree.train.target import TargetTrainConfig, train_target
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     names = {f.name for f in fields(TargetTrainConfig)}
     cfg = TargetTrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     result = train_target(

@@ -14,6 +14,7 @@ Layout: the engine builds positions and the ancestor-only additive mask
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +25,11 @@ from ddtree.engine.policies import Policy, get_policy, root_tree
 from ddtree.engine.stop import StopCondition
 from ddtree.engine.timing import StageClock, StepTimings
 from ddtree.models.base import Drafter, Target
+
+MAX_BUDGET = 8192
+"""Largest budget N: the verify forward's width is M = N + 1 and its additive mask alone is
+M x (S + M) floats (256 MiB at N = 8192, S = 0); past the tree's reachable nodes a budget only
+costs (best-first over min(N, V) candidates per depth grows without end)."""
 
 
 class ContextLengthError(ValueError):
@@ -47,12 +53,18 @@ class DecodeConfig:
         get_policy(self.policy)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.budget < 0:
-            raise ValueError(f"budget must be >= 0, got {self.budget}")
+        low = 1 if self.policy == "ddtree" else 0
+        if not low <= self.budget <= MAX_BUDGET:
+            raise ValueError(
+                f"budget must be in {low}..{MAX_BUDGET} for policy {self.policy!r}, "
+                f"got {self.budget}"
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN fails too
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
