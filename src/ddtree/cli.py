@@ -32,6 +32,11 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "engine"), "bench_engine", "sweep policies and budgets; write measurement records"),
     (("bench", "bandwidth"), "bench_bandwidth", "measure memory bandwidth of this machine"),
     (("bench", "moe"), "bench_moe", "time one MoE layer forward against verify width M"),
+    (
+        ("bench", "allreduce"),
+        "bench_allreduce",
+        "all-reduce latency and bandwidth vs message size over N processes",
+    ),
     (("replay", "record"), "replay_record", "record a greedy pass with the drafter's top-K"),
     (
         ("replay", "tau"),

@@ -6,7 +6,8 @@ A records file is JSON lines, one record per line::
      "hardware": {...}, "config": {...}, "summary": {...}, "points": [...]}
 
 - ``kind`` says what was measured; each kind is one typed dataclass (``EngineRun``,
-  ``BenchBandwidth``, ``BenchMoe``, ``BenchTree``, ``Acceptance``) listed in ``RECORD_KINDS``.
+  ``BenchBandwidth``, ``BenchMoe``, ``BenchTree``, ``Acceptance``, ``BenchAllreduce``)
+  listed in ``RECORD_KINDS``.
   A field of the dataclass lives in the ``config`` section (what was held fixed) or the
   ``summary`` section (the headline figures) of the wire format; ``points`` holds the per-step
   or per-size measurements. Keys a kind does not declare are kept, untouched, in ``config_extra`` /
@@ -503,8 +504,27 @@ class Acceptance(Record):
     limited_steps: int = summary_field(0, minimum=0)  # trees that reached the trace's top-K
 
 
+@dataclass(kw_only=True)
+class BenchAllreduce(Record):
+    """All-reduce time against message size over a group of ``world_size`` ranks. points:
+    ``{"m", "bytes", "seconds", "algbw_bytes_per_s", "bus_bytes_per_s", ...}``; the summary is
+    the fit ``seconds = latency_s + 2(n-1)/n x bytes / bus_bytes_per_s``."""
+
+    kind: ClassVar[str] = "bench_allreduce"
+    point_keys: ClassVar[tuple[str, ...]] = ("bytes", "seconds")
+
+    device: str = config_field()
+    backend: str = config_field()  # "gloo" | "nccl"
+    world_size: int = config_field(minimum=2)
+    dtype: str = config_field()
+    hidden_size: int = config_field(minimum=1)
+    latency_s: float = summary_field(minimum=0)
+    bus_bytes_per_s: float = summary_field(positive=True)
+
+
 RECORD_KINDS: dict[str, type[Record]] = {
-    cls.kind: cls for cls in (EngineRun, BenchBandwidth, BenchMoe, BenchTree, Acceptance)
+    cls.kind: cls
+    for cls in (EngineRun, BenchBandwidth, BenchMoe, BenchTree, Acceptance, BenchAllreduce)
 }
 """kind -> its dataclass. Adding a kind: one dataclass above and one entry here."""
 

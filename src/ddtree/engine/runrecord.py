@@ -87,6 +87,7 @@ def engine_run_record(
         device=device,
         engine_mode=engine_mode,
         tree_backend=tree_backend(),
+        tp=getattr(target_info, "tp", 1),
         prompt_set={"count": len(results), "lengths": list(prompt_lens)},
         config_extra=dict(extra or {}),
         points=[

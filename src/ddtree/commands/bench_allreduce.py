@@ -1,0 +1,155 @@
+"""`ddtree bench allreduce`: all-reduce latency and bandwidth against message size (M x hidden
+x 2 bytes) over N processes: spawned here, or the ranks torchrun started."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from ddtree.commands._args import int_list
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ddtree.bench.allreduce import DEFAULT_HIDDEN, DEFAULT_MS, DTYPES
+    from ddtree.distributed import DEFAULT_TIMEOUT_S
+
+    p.add_argument("--tp", type=int, default=2, help="ranks in the group (default: %(default)s)")
+    p.add_argument(
+        "--m",
+        type=int_list,
+        default=list(DEFAULT_MS),
+        help="verify widths M: messages of M x hidden elements (default 1,2,4,...,1024)",
+    )
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=DEFAULT_HIDDEN,
+        help="hidden size (default: %(default)s, Kimi K2 / DeepSeek-V3)",
+    )
+    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="default: bf16")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu (gloo) or cuda (NCCL, one GPU per rank) (default: %(default)s)",
+    )
+    p.add_argument("--repeats", type=int, default=20, help="timed samples per size (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed samples first (default 3)")
+    p.add_argument("--iters", type=int, default=10, help="all-reduces per sample (default 10)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds one collective may take before the group fails (default: %(default)s)",
+    )
+    p.add_argument("--records", help="append a bench_allreduce record to this JSONL file")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name, low in (("tp", 2), ("repeats", 1), ("warmup", 0), ("iters", 1), ("threads", 1)):
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    if len(args.m) < 2 or min(args.m) < 1:
+        raise ValueError(
+            f"--m needs >= 2 widths, each >= 1 (to fit latency and bandwidth), got {args.m}"
+        )
+    if args.hidden < 1:
+        raise ValueError(f"--hidden must be >= 1, got {args.hidden}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from ddtree.bench.allreduce import (
+        AllreduceSettings,
+        fit_allreduce,
+        follow_allreduce,
+        measure_allreduce,
+    )
+    from ddtree.distributed import join_launched_group, launched_by_torchrun, spawn_group
+    from ddtree.records import BenchAllreduce, HardwareInfo, Provenance, write_records
+
+    _check(args)
+    settings = AllreduceSettings(
+        tuple(args.m), args.hidden, args.dtype, args.repeats, args.warmup, args.iters, args.threads
+    )
+    torch.set_num_threads(args.threads)
+    if launched_by_torchrun():
+        group = join_launched_group(args.tp, args.device, args.timeout)
+        if group.rank != 0:
+            try:
+                follow_allreduce(group, settings)
+            finally:
+                group.close()
+            return 0
+    else:
+        group = spawn_group(args.tp, follow_allreduce, (settings,), args.device, args.timeout)
+    console = Console()
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("all-reduce", total=len(settings.ms))
+            points = measure_allreduce(
+                group, settings, lambda m: progress.update(task, advance=1, description=f"M={m}")
+            )
+    finally:
+        group.close()
+    n = group.world_size
+    fit = fit_allreduce(points, n)
+    if not math.isfinite(fit.bus_bytes_per_s):
+        raise ValueError(
+            f"all-reduce times do not grow with the message size over --m {args.m}: no "
+            "bandwidth to fit; include larger widths"
+        )
+    table = Table(
+        title=f"ddtree bench allreduce: {n} ranks, {group.backend} on {args.device}, "
+        f"{args.dtype}, hidden {args.hidden}",
+        caption=f"fit: latency {fit.latency_s * 1e6:.1f} µs + 2(n-1)/n x bytes / "
+        f"{fit.bus_bytes_per_s / 1e9:.2f} GB/s (worst point {fit.max_rel_error:.0%} off). "
+        "busbw = algbw x 2(n-1)/n (nccl-tests); 1 GB/s = 1e9 B/s",
+    )
+    for col in ("M", "bytes", "median µs", "p10 µs", "p90 µs", "algbw GB/s", "busbw GB/s"):
+        table.add_column(col, justify="right")
+    for p in points:
+        table.add_row(
+            str(p.m),
+            f"{p.bytes:,}",
+            f"{p.seconds * 1e6:.1f}",
+            f"{p.p10_s * 1e6:.1f}",
+            f"{p.p90_s * 1e6:.1f}",
+            f"{p.algbw_bytes_per_s / 1e9:.3f}",
+            f"{p.bus_bytes_per_s / 1e9:.3f}",
+        )
+    console.print(table)
+    config_extra = {
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "threads": args.threads,
+        "launcher": group.launcher,
+        "statistic": "median of samples, slowest rank",
+    }
+    record = BenchAllreduce(
+        hardware=HardwareInfo.collect(),
+        provenance=Provenance.here("ddtree bench allreduce"),
+        device=args.device,
+        backend=group.backend,
+        world_size=n,
+        dtype=args.dtype,
+        hidden_size=args.hidden,
+        latency_s=fit.latency_s,
+        bus_bytes_per_s=fit.bus_bytes_per_s,
+        points=[p.as_dict() for p in points],
+        config_extra=config_extra,
+        summary_extra={"fit_max_rel_error": fit.max_rel_error},
+    )
+    if args.records:
+        write_records(args.records, [record])
+        console.print(f"wrote a bench_allreduce record to {args.records}")
+    print(json.dumps({"bench": "allreduce", **record.config, **record.summary,
+                      "points": record.points}))  # fmt: skip
+    return 0
