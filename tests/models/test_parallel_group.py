@@ -12,7 +12,7 @@ from ddtree.commands._decode import DEMO_DIR, TextCodec, demo_prompts
 from ddtree.distributed import spawn_group
 from ddtree.engine import DecodeConfig, generate
 from ddtree.models import load_drafter
-from ddtree.models.checkpoint import CheckpointError
+from ddtree.models.checkpoint import CheckpointError, read_config
 from ddtree.models.mla_moe import MlaMoeTarget
 from ddtree.models.parallel import (
     ParallelTarget,
@@ -20,6 +20,8 @@ from ddtree.models.parallel import (
     release,
     serve_spawned,
 )
+from ddtree.perf.cost import DEPLOYMENTS, collectives_per_forward
+from ddtree.perf.model import shape_from_config
 
 TARGET = DEMO_DIR / "target"
 TOL = 1e-5
@@ -60,7 +62,10 @@ def test_tp2_logits_equal_one_process(group, whole, ep, monkeypatch):
     """Prefill, decode and tree verify at TP = 2 (experts TP-split, or EP = 2) equal the
     single-process logits within 1e-5; each forward does exactly the cost model's all-reduces
     (two per layer) and each Target call two broadcasts (header, payload)."""
-    layers = whole.config.num_hidden_layers
+    deployment = DEPLOYMENTS["tp-ep" if ep > 1 else "tp"]
+    shape = shape_from_config(read_config(TARGET))
+    per_forward = collectives_per_forward(shape, deployment).all_reduce  # the cost model's
+    assert per_forward == 2 * whole.config.num_hidden_layers
     with ParallelTarget.open(group, SessionSpec(path=str(TARGET), ep=ep, dtype="float32")) as tp2:
         assert (tp2.info.tp, tp2.info.ep, tp2.info.n_params) == (2, ep, whole.info.n_params)
         all_reduces = count_calls(monkeypatch, "all_reduce")
@@ -82,7 +87,7 @@ def test_tp2_logits_equal_one_process(group, whole, ep, monkeypatch):
             expected, got = step(whole), step(tp2)
             if expected is not None:
                 assert (got - expected).abs().max() <= TOL, i
-                assert all_reduces[0] - before[0] == 2 * layers, i
+                assert all_reduces[0] - before[0] == per_forward, i
             assert broadcasts[0] - before[1] == 2, i
         assert tp2.seq_len == whole.seq_len == 50 + 1 + 3
 

@@ -15,7 +15,7 @@ from importlib import resources
 from typing import Any
 
 from ddtree.perf.units import BANDWIDTH, BYTES, FLOP_RATE, TIME, Dim, UnitError, parse_quantity
-from ddtree.records import BenchBandwidth
+from ddtree.records import BenchAllreduce, BenchBandwidth
 
 PRECISIONS = ("bf16", "fp8", "fp4")
 
@@ -256,6 +256,27 @@ def this_machine(records: list) -> Hardware | None:
                 "peak (2 x 8 lanes x 2 FLOPs/cycle x 3 GHz); fit compute_efficiency",
             ),
             "allreduce_latency": Provenance("assumed", "single device: no all-reduce"),
+        },
+    )
+
+
+def with_measured_allreduce(hw: Hardware, record: BenchAllreduce) -> Hardware:
+    """``hw`` with the all-reduce latency and link (bus) bandwidth a ``bench allreduce`` record
+    fitted, labelled measured (the cost model then uses them without the assumed
+    ``allreduce_scale``)."""
+    source = (
+        f"ddtree bench allreduce: {record.backend} on {record.device}, {record.world_size} ranks, "
+        f"{record.dtype}, fit over {len(record.points)} sizes ({record.created_utc})"
+    )
+    return replace(
+        hw,
+        interconnect=f"{record.backend} over {hw.interconnect or 'its link'} (measured)",
+        allreduce_latency_s=record.latency_s,
+        link_bytes_per_s=record.bus_bytes_per_s,
+        provenance={
+            **hw.provenance,
+            "allreduce_latency": Provenance("measured", source),
+            "link_bandwidth": Provenance("measured", source + ", bus bandwidth"),
         },
     )
 

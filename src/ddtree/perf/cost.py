@@ -1,7 +1,9 @@
 """Per-step cost model: step time as a sum of components, one small function per component.
 
 One DDTree step at verify width ``M = N + 1`` and concurrency ``C`` (``T = M * C`` tokens
-through the target), on a TP group of ``tp`` GPUs working in parallel (figures per GPU):
+through the target), on a group of ``tp`` GPUs working in parallel (figures per GPU), split as
+the point's ``Deployment`` says (``DEPLOYMENTS``: everything tensor-parallel, or experts whole
+per GPU, or data-parallel attention with expert-parallel MoE and all-to-all dispatch):
 
     device term = max(bytes / (HBM bw x mem_eff), FLOPs / (dense peak x compute_eff))
                   + launches x launch_s
@@ -34,10 +36,12 @@ Every input may be a float or a numpy array (Monte Carlo samples); outputs broad
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from functools import cache
 from importlib import resources
 
 import numpy as np
@@ -226,6 +230,51 @@ class Drafter:
 
 
 @dataclass(frozen=True)
+class Deployment:
+    """How the model is spread over a point's ``tp`` GPUs.
+
+    ``dp_attention``: attention, dense MLP layers, shared experts, LM head and drafter are
+    replicated on every GPU and each GPU serves ceil(C / GPUs) requests (data parallel), else
+    they are tensor-parallel (weights / GPUs, every GPU works on every request).
+    ``expert_parallel``: each GPU holds E / GPUs whole experts, else every expert's
+    intermediate is split over the GPUs.
+    Collectives per target forward follow (``collectives_per_forward``): tensor-parallel
+    attention ends each attention and each MLP/MoE sublayer with an all-reduce; data-parallel
+    attention needs none, and sends tokens to their experts' GPUs and back (two all-to-alls
+    per MoE layer).
+    """
+
+    name: str
+    dp_attention: bool
+    expert_parallel: bool
+    about: str
+
+
+DEPLOYMENTS: dict[str, Deployment] = {
+    d.name: d
+    for d in (
+        Deployment(
+            "tp", False, False,
+            "tensor parallel throughout: heads, MLP and every expert's intermediate split over "
+            "the GPUs; 2 all-reduces per layer",
+        ),
+        Deployment(
+            "tp-ep", False, True,
+            "tensor-parallel attention, E/GPUs whole experts per GPU; every GPU holds every "
+            "token after the attention all-reduce, so the MoE output is combined by the "
+            "layer's all-reduce (ddtree's --ep runtime)",
+        ),
+        Deployment(
+            "dp-ep", True, True,
+            "data-parallel attention (replicated, C/GPUs requests each) and expert-parallel MoE "
+            "(E/GPUs experts per GPU): two all-to-alls per MoE layer (dispatch, combine), no "
+            "all-reduce (DeepSeek-V3-style large-scale EP serving)",
+        ),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Point:
     """One configuration to cost."""
 
@@ -239,6 +288,7 @@ class Point:
     drafter: Drafter | None
     experts_curve: tuple[tuple[float, float], ...] | None = None  # (tokens, experts) measured
     policy: Policy = Policy.DDTREE
+    deployment: Deployment = DEPLOYMENTS["tp"]
 
     def __post_init__(self) -> None:
         want = {Policy.AR: 0, Policy.CHAIN: self.block_size - 1}.get(self.policy)
@@ -250,6 +300,18 @@ class Point:
     @property
     def verify_width(self) -> int:
         return self.budget + 1
+
+    @property
+    def weight_shards(self) -> int:
+        """How many GPUs share the non-expert weights (1: replicated, data parallel)."""
+        return 1 if self.deployment.dp_attention else self.tp
+
+    @property
+    def requests_per_gpu(self) -> int:
+        """Requests whose tokens one GPU computes in the non-expert parts."""
+        if self.deployment.dp_attention:
+            return math.ceil(self.concurrency / self.tp)
+        return self.concurrency
 
     def as_ar(self) -> Point:
         """The autoregressive step on the same hardware, TP, context and engine mode."""
@@ -400,6 +462,48 @@ def _work_s(hw: Hardware, nbytes, flops, precision: str, mem_eff, cmp_eff):
     return secs, bound
 
 
+@cache
+def expected_max_binomial(n: int, p: float, groups: int) -> float:
+    """E[max of ``groups`` independent Binomial(n, p) counts], exactly:
+    sum over x of P(max > x) = 1 - F(x)^groups. Example: n = 1, p = 0.5, 2 groups -> 0.75."""
+    if groups == 1 or n == 0 or p <= 0.0 or p >= 1.0:
+        return n * min(max(p, 0.0), 1.0)
+    if n > 2000:  # normal approximation with the expected maximum of standard normals
+        return n * p + math.sqrt(n * p * (1 - p)) * _expected_max_std_normal(groups)
+    k = np.arange(n + 1)
+    log_pmf = (
+        np.array([math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in k])
+        + k * math.log(p)
+        + (n - k) * math.log1p(-p)
+    )
+    cdf = np.minimum(np.cumsum(np.exp(log_pmf)), 1.0)
+    return float(np.sum(1.0 - cdf[:-1] ** groups))
+
+
+@cache
+def _expected_max_std_normal(groups: int) -> float:
+    x = np.linspace(-8.0, 8.0, 4001)
+    phi = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    cdf = 0.5 * (1 + np.array([math.erf(v / math.sqrt(2)) for v in x]))
+    return float(np.trapezoid(x * groups * phi * cdf ** (groups - 1), x))
+
+
+def expert_parallel_moe_layer(model: ModelShape, tokens, gpus: int, curve=None):
+    """(bytes, FLOPs, compute precision) of one routed-MoE layer on the busiest GPU when each
+    GPU holds E / gpus whole experts. Bytes: the expected maximum over GPUs of the experts a
+    GPU's tokens touch (each of its E/gpus experts touched independently with the probability
+    ``experts_touched / E``); FLOPs: the expected maximum of routed slots per GPU (the T x k
+    slots land on a GPU with probability 1/gpus). Example: Kimi (E=384, k=8) at T=9 over 8
+    GPUs: 66.3/384 -> 8.3 experts per GPU on average, 12.1 on the busiest."""
+    e, k = model.n_routed_experts, model.top_k
+    p = float(np.mean(experts_touched(e, k, tokens, curve))) / e
+    busiest = expected_max_binomial(e // gpus, p, gpus)
+    slots = expected_max_binomial(int(round(float(np.mean(tokens)) * k)), 1.0 / gpus, gpus)
+    nbytes = busiest * model.expert_params * model.bytes_per_param("routed_experts")
+    flops = 2.0 * slots * model.expert_params
+    return nbytes, flops, COMPUTE_PRECISION[model.precision["routed_experts"]]
+
+
 def moe_layer_s(model: ModelShape, hw: Hardware, m, params: dict, tp: int = 1, curve=None):
     """Kernel time of one routed-MoE layer at M tokens (what ``bench moe`` measures)."""
     nbytes, flops, prec = routed_moe_layer(model, m, tp, curve)
@@ -462,7 +566,7 @@ def _kv_shard(model: ModelShape, tp: int) -> int:
 def attention(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component:
     """Attention weights once, KV over the context per request; every query scores the
     context and the ``width`` new keys (the tree mask is dense ``[M, S + M]``)."""
-    L, C, tp = model.num_layers, pt.concurrency, pt.tp
+    L, C, tp = model.num_layers, pt.requests_per_gpu, pt.weight_shards
     T = fwd.width * C
     weights = L * model.attention_params_per_layer * model.bytes_per_param("attention") / tp
     kv = C * L * fwd.context * model.kv_bytes_per_token_layer() / _kv_shard(model, tp)
@@ -484,8 +588,8 @@ def attention_scores(model: ModelShape, pt: Point, params: dict, fwd: Forward):
     passes = params.get(f"score_passes@{pt.hardware.key}")
     if passes is None:
         return None
-    heads = model.num_heads / min(pt.tp, model.num_heads)
-    scores = pt.concurrency * model.num_layers * heads * fwd.width * (fwd.context + fwd.width)
+    heads = model.num_heads / min(pt.weight_shards, model.num_heads)
+    scores = pt.requests_per_gpu * model.num_layers * heads * fwd.width * (fwd.context + fwd.width)
     return _stream(
         "attention scores", fwd.stage, pt, params, scores * 4.0 * passes, 0.0,
         "C x L x heads/TP x M x (context + M) x 4 B x score passes (unfused softmax)",
@@ -497,15 +601,23 @@ def routed_moe(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Comp
     if not Lm:
         return None
     tokens = fwd.width * pt.concurrency
-    nbytes, flops, prec = routed_moe_layer(model, tokens, pt.tp, pt.experts_curve)
+    if pt.deployment.expert_parallel:
+        nbytes, flops, prec = expert_parallel_moe_layer(model, tokens, pt.tp, pt.experts_curve)
+        formula = (
+            "L_moe x E[max over GPUs of experts touched on a GPU] x expert params x bytes/param "
+            "(each GPU's E/GPUs experts touched independently with p = 1-(1-k/E)^(M*C)); "
+            "FLOPs over E[max] routed slots per GPU"
+        )
+    else:
+        nbytes, flops, prec = routed_moe_layer(model, tokens, pt.tp, pt.experts_curve)
+        formula = "L_moe x E(1-(1-k/E)^(M*C)) x expert params x bytes/param / TP"
     launches = KERNELS["routed_moe"]
     if pt.hardware.looped_moe:  # ddtree's own MoE: a few kernels per touched expert
         touched = experts_touched(model.n_routed_experts, model.top_k, tokens, pt.experts_curve)
         launches = launches + KERNELS["routed_moe_per_expert"] * touched / pt.tp
     return _device(
         "routed MoE", fwd.stage, pt, params, Lm * nbytes, Lm * flops, prec, Lm * launches,
-        "L_moe x E(1-(1-k/E)^(M*C)) x expert params x bytes/param / TP"
-        + (" [measured experts curve]" if pt.experts_curve else ""),
+        formula + (" [measured experts curve]" if pt.experts_curve else ""),
         efficiency="moe_efficiency",
     )  # fmt: skip
 
@@ -517,8 +629,8 @@ def shared_experts(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> 
     sp = model.n_shared_experts * model.expert_params
     return _device(
         "shared experts", fwd.stage, pt, params,
-        Lm * sp * model.bytes_per_param("shared_experts") / pt.tp,
-        2.0 * fwd.width * pt.concurrency * Lm * sp / pt.tp,
+        Lm * sp * model.bytes_per_param("shared_experts") / pt.weight_shards,
+        2.0 * fwd.width * pt.requests_per_gpu * Lm * sp / pt.weight_shards,
         COMPUTE_PRECISION[model.precision["shared_experts"]], Lm * KERNELS["shared_experts"],
         "L_moe x shared x expert params x bytes/param / TP",
     )  # fmt: skip
@@ -530,8 +642,8 @@ def dense_mlp(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Compo
         return None
     return _device(
         "dense MLP layers", fwd.stage, pt, params,
-        Ld * model.dense_mlp_params * model.bytes_per_param("dense_mlp") / pt.tp,
-        2.0 * fwd.width * pt.concurrency * Ld * model.dense_mlp_params / pt.tp,
+        Ld * model.dense_mlp_params * model.bytes_per_param("dense_mlp") / pt.weight_shards,
+        2.0 * fwd.width * pt.requests_per_gpu * Ld * model.dense_mlp_params / pt.weight_shards,
         COMPUTE_PRECISION[model.precision["dense_mlp"]], Ld * KERNELS["dense_mlp"],
         "L_dense x 3 x hidden x intermediate x bytes/param / TP",
     )  # fmt: skip
@@ -540,27 +652,78 @@ def dense_mlp(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Compo
 def lm_head(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component:
     return _device(
         "LM head over M", fwd.stage, pt, params,
-        model.lm_head_params * model.bytes_per_param("lm_head") / pt.tp,
-        2.0 * fwd.width * pt.concurrency * model.lm_head_params / pt.tp,
+        model.lm_head_params * model.bytes_per_param("lm_head") / pt.weight_shards,
+        2.0 * fwd.width * pt.requests_per_gpu * model.lm_head_params / pt.weight_shards,
         COMPUTE_PRECISION[model.precision["lm_head"]], KERNELS["lm_head"],
         "vocab x hidden x bytes/param / TP (FLOPs 2 x M x C x vocab x hidden / TP)",
     )  # fmt: skip
 
 
-def tp_allreduce(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
-    """Two all-reduces per layer (after attention, after the MLP) of the bf16 activations."""
-    if pt.tp <= 1:
-        return None
+@dataclass(frozen=True)
+class Collectives:
+    """Collectives one target forward issues on every GPU."""
+
+    all_reduce: int
+    all_to_all: int
+
+
+def collectives_per_forward(model: ModelShape, deployment: Deployment) -> Collectives:
+    """Tensor-parallel attention: an all-reduce after each attention and each MLP/MoE
+    sublayer (2 x L; expert-parallel experts are combined by the MoE's). Data-parallel
+    attention: a dispatch and a combine all-to-all per MoE layer (2 x L_moe), no all-reduce.
+    The parallel runtime (``ddtree.models.parallel``) is tested to issue exactly these."""
+    if deployment.dp_attention:
+        return Collectives(all_reduce=0, all_to_all=2 * model.num_moe_layers)
+    return Collectives(all_reduce=2 * model.num_layers, all_to_all=0)
+
+
+def _link_s(pt: Point, params: dict, nbytes):
+    """One collective on the point's interconnect: latency + bytes / link bandwidth. A
+    measured latency (``bench allreduce`` record) is used as it is; a catalog or assumed one
+    times the ``allreduce_scale.<link>`` parameter."""
     hw = pt.hardware
+    prov = hw.provenance.get("allreduce_latency")
+    scale = 1.0 if prov is not None and prov.kind == "measured" else (
+        params[f"allreduce_scale.{link_class(hw)}"]
+    )  # fmt: skip
+    return hw.allreduce_latency_s * scale + nbytes / (hw.link_bytes_per_s or 1e30)
+
+
+def _link_rule(hw: Hardware) -> str:
+    prov = hw.provenance.get("link_bandwidth")
+    how = f", {prov.label()}" if prov is not None else ""
+    return f"interconnect ({hw.interconnect or 'unknown'}{how}): latency + bytes / link bandwidth"
+
+
+def tp_allreduce(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
+    """The all-reduces of the bf16 activations (``collectives_per_forward``), ring cost."""
+    count = collectives_per_forward(model, pt.deployment).all_reduce
+    if pt.tp <= 1 or not count:
+        return None
     ar_bytes = fwd.width * pt.concurrency * model.hidden_size * 2.0
-    link = hw.link_bytes_per_s or 1e30
-    per = hw.allreduce_latency_s * params[f"allreduce_scale.{link_class(hw)}"] + 2.0 * (
-        pt.tp - 1
-    ) / pt.tp * (ar_bytes / link)
+    per = _link_s(pt, params, 2.0 * (pt.tp - 1) / pt.tp * ar_bytes)
     return Component(
-        "TP all-reduce", fwd.stage, 2 * model.num_layers * per, 0.0, 0.0, 0.0, Bound.LINK,
-        f"interconnect ({hw.interconnect or 'unknown'}): latency + bytes / link bandwidth",
-        "2 x L x (latency + 2(TP-1)/TP x M x C x hidden x 2 B / link bw)",
+        "TP all-reduce", fwd.stage, count * per, 0.0, 0.0, 0.0, Bound.LINK,
+        _link_rule(pt.hardware),
+        f"{count} (2 x L) x (latency + 2(TP-1)/TP x M x C x hidden x 2 B / link bw)",
+    )  # fmt: skip
+
+
+def ep_alltoall(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
+    """Dispatch and combine all-to-alls of data-parallel attention + expert-parallel MoE: a
+    GPU sends each of its tokens' hidden vectors (bf16) to the GPUs of its k experts that are
+    not its own, and gets the results back. The latency of an all-to-all is taken as an
+    all-reduce's (assumed)."""
+    count = collectives_per_forward(model, pt.deployment).all_to_all
+    if pt.tp <= 1 or not count:
+        return None
+    local_tokens = fwd.width * pt.requests_per_gpu
+    nbytes = local_tokens * model.top_k * (pt.tp - 1) / pt.tp * model.hidden_size * 2.0
+    return Component(
+        "EP all-to-all", fwd.stage, count * _link_s(pt, params, nbytes), 0.0, 0.0, 0.0,
+        Bound.LINK, _link_rule(pt.hardware),
+        f"{count} (2 x L_moe) x (latency [as an all-reduce's, assumed] + M x ceil(C/GPUs) x k x "
+        "(GPUs-1)/GPUs x hidden x 2 B / link bw)",
     )  # fmt: skip
 
 
@@ -572,6 +735,7 @@ TARGET_FORWARD: tuple[Callable[..., Component | None], ...] = (
     dense_mlp,
     lm_head,
     tp_allreduce,
+    ep_alltoall,
 )
 
 
@@ -588,7 +752,7 @@ def drafter_forward(model: ModelShape, pt: Point, params: dict) -> Component | N
     d = pt.drafter
     if d is None:
         return None
-    C, B, tp = pt.concurrency, pt.block_size, pt.tp
+    C, B, tp = pt.requests_per_gpu, pt.block_size, pt.weight_shards
     nbytes = d.params * PRECISION_BYTES[d.precision] / tp + C * pt.context_tokens * (
         d.kv_bytes_per_token / tp
     )
@@ -614,7 +778,7 @@ def topk(model: ModelShape, pt: Point, params: dict) -> Component:
     """log-softmax + top-K over the (B-1) x V drafter logits (float32): three passes."""
     return _stream(
         "top-k over (B-1) x V", Stage.TOPK, pt, params,
-        pt.concurrency * (pt.block_size - 1) * model.vocab_size * 4.0 * 3, KERNELS["topk"],
+        pt.requests_per_gpu * (pt.block_size - 1) * model.vocab_size * 4.0 * 3, KERNELS["topk"],
         "C x (B-1) x vocab x 4 B x 3 (log-softmax read + write, top-k read) / HBM bw",
     )  # fmt: skip
 
@@ -627,7 +791,7 @@ def topk_sort(model: ModelShape, pt: Point, params: dict) -> Component:
     rows = pt.block_size - 1
     return _host(
         "top-k sort over K", Stage.TOPK, pt,
-        pt.concurrency * (fixed + rows * candidates(model, pt) * per),
+        pt.requests_per_gpu * (fixed + rows * candidates(model, pt) * per),
         "C x (fixed + (B-1) x K x per candidate)",
     )  # fmt: skip
 
@@ -636,7 +800,7 @@ def tree_build(pt: Point, params: dict) -> Component:
     fixed = engine_value(params, pt.engine, "tree_fixed", pt.hardware)
     per_node = engine_value(params, pt.engine, "tree_per_node", pt.hardware)
     return _host(
-        "tree build", Stage.BUILD, pt, pt.concurrency * (fixed + pt.budget * per_node),
+        "tree build", Stage.BUILD, pt, pt.requests_per_gpu * (fixed + pt.budget * per_node),
         "C x (fixed + N x per node)",
     )  # fmt: skip
 
@@ -645,7 +809,7 @@ def verify_layout(pt: Point, params: dict) -> Component:
     fixed = engine_value(params, pt.engine, "layout_fixed", pt.hardware)
     per_node = engine_value(params, pt.engine, "layout_per_node", pt.hardware)
     return _host(
-        "verify layout", Stage.LAYOUT, pt, pt.concurrency * (fixed + pt.budget * per_node),
+        "verify layout", Stage.LAYOUT, pt, pt.requests_per_gpu * (fixed + pt.budget * per_node),
         "C x (fixed + N x per node): positions and the ancestor-only mask",
     )  # fmt: skip
 
@@ -653,7 +817,7 @@ def verify_layout(pt: Point, params: dict) -> Component:
 def accept(model: ModelShape, pt: Point, params: dict) -> Component:
     """The target's token at every tree node: an argmax over the verify logits [C x M, V]."""
     return _stream(
-        "accept", Stage.ACCEPT, pt, params, pt.concurrency * pt.verify_width * model.vocab_size
+        "accept", Stage.ACCEPT, pt, params, pt.requests_per_gpu * pt.verify_width * model.vocab_size
         * 4.0, KERNELS["accept"], "C x M x vocab x 4 B (argmax over the fp32 logits) / HBM bw",
     )  # fmt: skip
 
@@ -662,7 +826,7 @@ def accept_walk(pt: Point, params: dict) -> Component:
     fixed = engine_value(params, pt.engine, "accept_fixed", pt.hardware)
     per_node = engine_value(params, pt.engine, "accept_per_node", pt.hardware)
     return _host(
-        "accept walk", Stage.ACCEPT, pt, pt.concurrency * (fixed + pt.budget * per_node),
+        "accept walk", Stage.ACCEPT, pt, pt.requests_per_gpu * (fixed + pt.budget * per_node),
         "C x (fixed + N x per node) (the accepted path is walked on the host)",
     )  # fmt: skip
 
@@ -670,7 +834,7 @@ def accept_walk(pt: Point, params: dict) -> Component:
 def commit_glue(pt: Point, params: dict) -> Component:
     return _host(
         "KV commit glue", Stage.COMMIT, pt,
-        pt.concurrency * engine_value(params, pt.engine, "commit_fixed", pt.hardware),
+        pt.requests_per_gpu * engine_value(params, pt.engine, "commit_fixed", pt.hardware),
         "C x fixed (the compaction plan, on the host)",
     )  # fmt: skip
 
@@ -680,8 +844,8 @@ def kv_commit(model: ModelShape, pt: Point, params: dict, tau) -> Component:
     tau_v = 0.0 if tau is None else np.asarray(tau)
     return _device(
         "KV commit", Stage.COMMIT, pt, params,
-        pt.concurrency * tau_v * model.num_layers * model.kv_bytes_per_token_layer() * 2.0
-        / _kv_shard(model, pt.tp),
+        pt.requests_per_gpu * tau_v * model.num_layers * model.kv_bytes_per_token_layer() * 2.0
+        / _kv_shard(model, pt.weight_shards),
         0.0, "bf16", model.num_layers * KERNELS["commit_per_layer"],
         "C x tau x L x KV bytes/token x 2 (read + write), one kernel per layer",
     )  # fmt: skip

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ddtree.perf.calibrate import Backtest, Calibration, backtest, calibrate
 from ddtree.perf.cost import scoped_specs
-from ddtree.perf.fromrecords import anchors_from_records
+from ddtree.perf.fromrecords import anchors_from_records, measured_links
 from ddtree.perf.scenario import ScenarioFile, StepAnchor, load_scenario
 from ddtree.perf.uncertainty import CaseResult, run_case
 from ddtree.records import read_records
@@ -40,11 +40,15 @@ def load(path: str | Path | None, records: list[str] | None = None) -> ScenarioF
         sf0 = load_scenario(path)
         paths = sf0.records
     machine = None
+    records_hw: dict = {}
     rec_anchors: list = []
     if paths:
         recs = read_records(paths)
         rec_anchors, machine = anchors_from_records(recs)
-    sf = load_scenario(path, {"this-machine": machine} if machine else None)
+        records_hw = measured_links(recs)  # catalog GPUs with measured all-reduce figures
+        if machine is not None:
+            records_hw["this-machine"] = machine
+    sf = load_scenario(path, records_hw or None)
     sf.anchors.extend(rec_anchors)
     if machine is not None:
         ran_here = sorted({a.point.engine for a in rec_anchors if isinstance(a, StepAnchor)

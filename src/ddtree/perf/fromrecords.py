@@ -10,18 +10,21 @@
   prompt length, no context), so calibration fits each component to its own timing, not only
   their sum;
 - ``bench_moe`` -> one MoE-layer anchor per measured M (with the measured experts-touched
-  curve when the points carry it).
+  curve when the points carry it);
+- ``bench_allreduce`` -> the measured all-reduce latency and link (bus) bandwidth of the
+  hardware it ran on: this machine (CPU, gloo), or the catalog GPU it names (NCCL), newest
+  record first; engine runs at ``tp`` > 1 on that hardware are costed with them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ddtree.perf.catalog import Hardware, match_gpu, this_machine
-from ddtree.perf.cost import Drafter, Point, default_params, params_at, step_cost
+from ddtree.perf.catalog import Hardware, match_gpu, this_machine, with_measured_allreduce
+from ddtree.perf.cost import DEPLOYMENTS, Drafter, Point, default_params, params_at, step_cost
 from ddtree.perf.model import ModelError, ModelShape, shape_from_config
 from ddtree.perf.scenario import MoeAnchor, ScenarioError, StageAnchor, StepAnchor
-from ddtree.records import BenchMoe, EngineMode, EngineRun, Policy, Record, Stage
+from ddtree.records import BenchAllreduce, BenchMoe, EngineMode, EngineRun, Policy, Record, Stage
 
 PROFILE_OF_MODE = {EngineMode.EAGER: "eager", EngineMode.COMPILED: "graphs"}
 """The estimator's engine profile for an engine_run's ``engine_mode``: a torch.compile run
@@ -40,13 +43,36 @@ _PREC = {
 }
 
 
-def hardware_for(record: Record, machine: Hardware | None) -> Hardware:
-    """The catalog GPU a CUDA record ran on, else this machine (from bench_bandwidth)."""
+def _catalog_gpu(record: Record) -> Hardware | None:
+    """The catalog entry of the GPU a CUDA record ran on (None: a CPU record, or unknown)."""
+    gpu = record.hardware.gpu_name or ""
+    if str(record.config.get("device", "cpu")).startswith("cuda") and gpu:
+        return match_gpu(gpu)
+    return None
+
+
+def measured_links(records: list[Record]) -> dict[str, Hardware]:
+    """Catalog GPUs with the all-reduce figures of their ``bench_allreduce`` records (the
+    newest per GPU); CPU records go to this machine (``anchors_from_records``)."""
+    out = {}
+    for r in sorted((r for r in records if isinstance(r, BenchAllreduce)),
+                    key=lambda r: r.created_utc):  # fmt: skip
+        hw = _catalog_gpu(r)
+        if hw is not None:
+            out[hw.key] = with_measured_allreduce(hw, r)
+    return out
+
+
+def hardware_for(
+    record: Record, machine: Hardware | None, links: dict[str, Hardware] | None = None
+) -> Hardware:
+    """The catalog GPU a CUDA record ran on (with measured all-reduce figures from ``links``),
+    else this machine (from bench_bandwidth)."""
     gpu = record.hardware.gpu_name or ""
     if str(record.config.get("device", "cpu")).startswith("cuda") and gpu:
         hw = match_gpu(gpu)
         if hw is not None:
-            return hw
+            return (links or {}).get(hw.key, hw)
         if machine is None:
             raise ScenarioError(
                 f"records: a {record.kind} record ran on GPU {gpu!r}, which is not in the "
@@ -117,14 +143,16 @@ def _stage_anchors(step: StepAnchor, r: EngineRun) -> list[StageAnchor]:
     return out
 
 
-def _engine_anchors(i: int, r: EngineRun, machine: Hardware | None) -> list:
+def _engine_anchors(i: int, r: EngineRun, machine: Hardware | None, links: dict) -> list:
     where = f"record {i} ({r.kind}, {r.created_utc})"
     lens = r.prompt_lengths or [0]
     ctx = sum(lens) / len(lens) + 0.5 * r.max_new_tokens
     ar = r.policy is Policy.AR
+    ep = int(r.target.get("ep", 1))
     point = Point(
-        hardware=hardware_for(r, machine),
+        hardware=hardware_for(r, machine, links),
         tp=r.tp,
+        deployment=DEPLOYMENTS["tp-ep" if ep > 1 else "tp"],
         concurrency=r.concurrency,
         context_tokens=ctx,
         block_size=1 if ar else r.block_size,
@@ -175,10 +203,17 @@ def _moe_anchors(i: int, r: BenchMoe, machine: Hardware | None) -> list[MoeAncho
 
 def anchors_from_records(records: list[Record]) -> tuple[list, Hardware | None]:
     machine = this_machine(records)
+    cpu_links = sorted(
+        (r for r in records if isinstance(r, BenchAllreduce) and _catalog_gpu(r) is None),
+        key=lambda r: r.created_utc,
+    )
+    if machine is not None and cpu_links:
+        machine = with_measured_allreduce(machine, cpu_links[-1])
+    links = measured_links(records)
     anchors: list = []
     for i, r in enumerate(records):
         if isinstance(r, EngineRun):
-            anchors.extend(_engine_anchors(i, r, machine))
+            anchors.extend(_engine_anchors(i, r, machine, links))
         elif isinstance(r, BenchMoe):
             anchors.extend(_moe_anchors(i, r, machine))
     return anchors, machine

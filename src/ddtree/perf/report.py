@@ -173,6 +173,7 @@ def to_dict(est: Estimate) -> dict[str, Any]:
                 "question": r.case.question,
                 "hardware": r.case.point.hardware.key,
                 "tp": r.case.point.tp,
+                "parallel": r.case.point.deployment.name,
                 "concurrency": r.case.point.concurrency,
                 "block_size": r.case.point.block_size,
                 "budget": r.case.point.budget,
@@ -286,7 +287,8 @@ def explain(est: Estimate) -> str:
                 f"  {key} = {u.format_quantity(val, dim)} [{prov.label() if prov else 'assumed'}]"
             )
         out.append(
-            f"deployment: TP {pt.tp}, C={pt.concurrency}, context {pt.context_tokens:.0f} tok, "
+            f"deployment: {pt.tp} GPUs, {pt.deployment.name} [{pt.deployment.about}], "
+            f"C={pt.concurrency}, context {pt.context_tokens:.0f} tok, "
             f"block {pt.block_size}, budget {pt.budget} -> M = N + 1 = {pt.verify_width} [derived]; "
             f"engine {pt.engine} [{sf.engines[pt.engine].about or 'assumed'}]"
         )

@@ -15,6 +15,7 @@ from typing import Any
 from ddtree.perf import units as u
 from ddtree.perf.catalog import CatalogError, Hardware, hardware_from_dict, load_catalog
 from ddtree.perf.cost import (
+    DEPLOYMENTS,
     ENGINE_ALIASES,
     ENGINE_PARAMS,
     ENGINES,
@@ -175,7 +176,7 @@ def _check_keys(table: dict, allowed: set[str], where: str) -> None:
         )
 
 
-_DEPLOY = {"tp", "concurrency", "context", "engine", "policy"}
+_DEPLOY = {"tp", "concurrency", "context", "engine", "policy", "parallel"}
 _PARAM_DIMS = {"": u.NUMBER, "s": u.TIME}
 
 
@@ -286,6 +287,11 @@ def _point(table: dict, ctx: _Ctx, drafter: Drafter | None, where: str) -> Point
     )
     if not (math.isfinite(context) and context >= 0):
         raise ScenarioError(f"{where}.context: {ctx_raw!r} must be >= 0 tokens")
+    parallel = str(merged.get("parallel", "tp"))
+    if parallel not in DEPLOYMENTS:
+        raise ScenarioError(
+            f"{where}.parallel: {parallel!r}; expected one of {', '.join(DEPLOYMENTS)}"
+        )
     return Point(
         hardware=_hardware_ref(table["hardware"], ctx.hardware, f"{where}.hardware"),
         tp=_int(merged.get("tp", 1), f"{where}.tp"),
@@ -296,6 +302,7 @@ def _point(table: dict, ctx: _Ctx, drafter: Drafter | None, where: str) -> Point
         engine=ctx.engine(merged.get("engine", "eager"), where),
         drafter=drafter,
         policy=policy,
+        deployment=DEPLOYMENTS[parallel],
     )
 
 
