@@ -39,7 +39,7 @@ def point(parallel="tp", concurrency=1, hw="b300", **kw):
         context_tokens=2048,
         block_size=8,
         budget=8,
-        engine="python",
+        engine="eager",
         drafter=Drafter(params=1.5e9, layers=3, kv_bytes_per_token=12288),
         deployment=DEPLOYMENTS[parallel],
         **kw,
