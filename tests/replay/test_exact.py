@@ -20,6 +20,7 @@ def assert_exact(target, drafter, prompts, budgets, max_new_tokens, eos=None, de
     trace = record_trace(target, drafter, prompts, max_new_tokens, eos_token_ids=eos)
     report = check_against_engine(trace, target, drafter, ("chain", "ddtree"), budgets)
     assert report.lossless  # the engine reproduces the trace's greedy continuation
+    assert report.walks_equal  # trees shared across budgets give each budget's taus
     assert report.mismatched_steps == 0, [(r.policy, r.budget, r.mismatched) for r in report.runs]
     taus = [
         t for i in range(len(prompts)) for t in replay_prompt(trace, i, "ddtree", max(budgets)).taus

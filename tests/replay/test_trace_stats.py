@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddtree.replay.simulate import PromptReplay, replay_points, replay_prompt
 from ddtree.replay.stats import bootstrap_interval, summarize
@@ -20,6 +22,7 @@ from ddtree.replay.trace import (
     load_trace,
     save_trace,
 )
+from ddtree.tree import build_tree
 
 
 def stamp(name="m", fingerprint=""):
@@ -171,3 +174,29 @@ def test_bootstrap_interval_over_prompts():
     low, high = bootstrap_interval(np.array([10.0, 20.0, 2.0]), np.array([5.0, 5.0, 2.0]))
     assert 1.0 <= low < 32 / 12 < high <= 4.0  # between the extreme prompts, around the pool
     assert np.isnan(bootstrap_interval(np.array([0.0]), np.array([0.0]))[0])  # no steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    depth=st.integers(1, 6),
+    k=st.integers(1, 12),
+    budgets=st.lists(st.integers(0, 90), min_size=1, max_size=4),
+    levels=st.sampled_from([2, 5, 1000]),
+)
+def test_a_smaller_budget_builds_a_prefix_of_a_larger_budget_tree(seed, depth, k, budgets, levels):
+    """What the replay sweep rests on: tree(N) is the first N + 1 nodes of tree(N') for
+    N <= N', with K = min(N, stored K) as the policy takes it; log-probs drawn from a few
+    levels make ties (broken by rank tuple) common."""
+    rng = np.random.default_rng(seed)
+    lp = -np.sort(rng.integers(0, levels, size=(depth, k)) / levels * 4, axis=1)
+    lp = torch.tensor(lp, dtype=torch.float32)  # [L, K] sorted descending
+    tokens = torch.tensor(rng.permuted(np.tile(np.arange(50), (depth, 1)), axis=1)[:, :k])
+    big = max(budgets)
+    whole = build_tree(3, lp[:, : max(1, min(big, k))], tokens[:, : max(1, min(big, k))], big)
+    for n in budgets:
+        kn = max(1, min(n, k))
+        tree = build_tree(3, lp[:, :kn], tokens[:, :kn], n)
+        m = tree.n_nodes
+        for name in ("tokens", "parents", "depth", "scores"):
+            assert torch.equal(getattr(tree, name), getattr(whole, name)[:m]), (n, name)

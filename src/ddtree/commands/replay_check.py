@@ -68,4 +68,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if not report.lossless:
         console.print("[red]the engine's tokens differ from the trace's greedy continuation[/red]")
-    return 0 if report.lossless and report.mismatched_steps == 0 else 1
+    if not report.walks_equal:
+        console.print("[red]the sweep's shared-tree walk differs from per-budget builds[/red]")
+    ok = report.lossless and report.walks_equal and report.mismatched_steps == 0
+    return 0 if ok else 1

@@ -49,10 +49,11 @@ def run(args: argparse.Namespace) -> int:
     points = replay_points(trace, policies, args.budgets)
     start = time.perf_counter()
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("replaying", total=len(points) * len(trace.header.prompts))
+        n_policies = len({p for p, _ in points})
+        task = progress.add_task("replaying", total=n_policies * len(trace.header.prompts))
 
-        def advance(policy: str, budget: int, i: int) -> None:
-            progress.update(task, advance=1, description=f"{policy} N={budget} prompt {i + 1}")
+        def advance(policy: str, i: int) -> None:
+            progress.update(task, advance=1, description=f"{policy} prompt {i + 1}")
 
         summaries = replay_sweep(trace, policies, args.budgets, advance)
     replay_s = time.perf_counter() - start

@@ -26,6 +26,7 @@ class RunCheck:
     steps: int  # engine steps
     mismatched: list[int] = field(default_factory=list)  # engine step indices tau differs
     lossless: bool = True  # the engine's tokens equal the trace's greedy continuation
+    walk_equal: bool = True  # the sweep's walk (trees shared across budgets) gives its taus
 
 
 @dataclass
@@ -48,6 +49,10 @@ class ExactnessReport:
     def lossless(self) -> bool:
         return all(r.lossless for r in self.runs)
 
+    @property
+    def walks_equal(self) -> bool:
+        return all(r.walk_equal for r in self.runs)
+
 
 def check_against_engine(
     trace: Trace,
@@ -59,7 +64,8 @@ def check_against_engine(
     on_run: Callable[[RunCheck], None] | None = None,
 ) -> ExactnessReport:
     """Decode prompts ``prompts`` (indices; None: all) of ``trace`` with the engine for every
-    (policy, budget) point and compare each step's tau with the replayed one."""
+    (policy, budget) point; compare each engine step's tau with the step replayed at its
+    position and budget, and each run's taus with the sweep's walk (shared trees)."""
     header = trace.header
     if drafter.block_size != header.block_size:
         raise ValueError(
@@ -67,28 +73,33 @@ def check_against_engine(
         )
     runs = []
     indices = range(len(header.prompts)) if prompts is None else prompts
-    for policy, budget in replay_points(trace, policies, budgets):
-        config = DecodeConfig(
-            policy,
-            block_size=header.block_size,
-            budget=budget,
-            max_new_tokens=header.max_new_tokens,
-            eos_token_ids=tuple(header.eos_token_ids),
-        )
+    points = replay_points(trace, policies, budgets)
+    for policy in dict.fromkeys(p for p, _ in points):
+        ns = [n for p, n in points if p == policy]
         for i in indices:
             info = header.prompts[i]
             sequence = trace.sequence(i)
-            out = generate(target, drafter, sequence[: info.prompt_tokens], config)
-            run = RunCheck(i, policy, budget, len(out.taus))
-            run.lossless = out.tokens == sequence[info.prompt_tokens :].tolist()
-            if run.lossless:
-                replayer = PromptReplayer(trace, i, policy, budget)
-                p = info.prompt_tokens
-                for s, tau in enumerate(out.taus):
-                    if replayer.step(p).tau != tau:
-                        run.mismatched.append(s)
-                    p += tau
-            runs.append(run)
-            if on_run is not None:
-                on_run(run)
+            replayer = PromptReplayer(trace, i, policy)
+            walks = replayer.run(ns)
+            for budget, walk in zip(ns, walks, strict=True):
+                config = DecodeConfig(
+                    policy,
+                    block_size=header.block_size,
+                    budget=budget,
+                    max_new_tokens=header.max_new_tokens,
+                    eos_token_ids=tuple(header.eos_token_ids),
+                )
+                out = generate(target, drafter, sequence[: info.prompt_tokens], config)
+                run = RunCheck(i, policy, budget, len(out.taus))
+                run.lossless = out.tokens == sequence[info.prompt_tokens :].tolist()
+                run.walk_equal = walk.taus.tolist() == out.taus
+                if run.lossless:
+                    p = info.prompt_tokens
+                    for s, tau in enumerate(out.taus):
+                        if replayer.step(p, budget) != tau:
+                            run.mismatched.append(s)
+                        p += tau
+                runs.append(run)
+                if on_run is not None:
+                    on_run(run)
     return ExactnessReport(runs)

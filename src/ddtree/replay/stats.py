@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.replay.simulate import PromptReplay, replay_points, replay_prompt
+from ddtree.replay.simulate import PromptReplay, PromptReplayer, replay_points
 
 RANKS_SHOWN = 8
 BOOTSTRAP_RESAMPLES = 2000
@@ -123,18 +123,23 @@ def replay_sweep(
     trace,
     policies: Sequence[str],
     budgets: Sequence[int],
-    on_prompt: Callable[[str, int, int], None] | None = None,
+    on_prompt: Callable[[str, int], None] | None = None,
 ) -> list[TauSummary]:
     """Replay every (policy, budget) point of ``trace`` (chain once: its budget is B-1);
-    ``on_prompt(policy, budget, index)`` after each prompt (progress bars)."""
+    ``on_prompt(policy, index)`` after each prompt of each policy (progress bars)."""
+    points = replay_points(trace, policies, budgets)
     out = []
-    for policy, budget in replay_points(trace, policies, budgets):
-        runs = []
+    for policy in dict.fromkeys(p for p, _ in points):
+        ns = [n for p, n in points if p == policy]
+        runs: list[list[PromptReplay]] = [[] for _ in ns]  # per budget, per prompt
         for i in range(len(trace.header.prompts)):
-            runs.append(replay_prompt(trace, i, policy, budget))
+            for per_budget, run in zip(runs, PromptReplayer(trace, i, policy).run(ns), strict=True):
+                per_budget.append(run)
             if on_prompt is not None:
-                on_prompt(policy, budget, i)
-        out.append(summarize(runs, policy, trace.header.block_size, budget))
+                on_prompt(policy, i)
+        out.extend(
+            summarize(r, policy, trace.header.block_size, n) for r, n in zip(runs, ns, strict=True)
+        )
     return out
 
 

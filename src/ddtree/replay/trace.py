@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 FORMAT = "ddtree-trace"
@@ -118,6 +119,7 @@ class Trace:
     # per prompt: offset of its first token in ``tokens`` and of its first root row
     token_offsets: list[int] = field(default_factory=list)
     root_offsets: list[int] = field(default_factory=list)
+    _greedy_ranks: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.token_offsets, self.root_offsets = [], []
@@ -155,6 +157,22 @@ class Trace:
         """Rows of prompt i in ``topk_logprobs`` / ``topk_tokens`` (root j at position T_i + j)."""
         start = self.root_offsets[i]
         return slice(start, start + self.header.prompts[i].roots)
+
+    def greedy_ranks(self) -> np.ndarray:
+        """[R, B-1] int64, computed once: at root row r of prompt i (position T_i + j), the rank
+        of the greedy token at position T_i + j + d + 1 in the stored list for depth d + 1;
+        -1 when it is outside the top-K or past the end of the continuation."""
+        if self._greedy_ranks is None:
+            depth = self.header.block_size - 1
+            out = []
+            for i, info in enumerate(self.header.prompts):
+                padded = torch.cat([self.sequence(i), torch.full((depth,), -1)])
+                after = info.prompt_tokens + 1 + torch.arange(info.roots)[:, None]
+                want = padded[after + torch.arange(depth)]  # [n-1, L]
+                hit = self.topk_tokens[self.roots(i)] == want[..., None]  # [n-1, L, K]
+                out.append(torch.where(hit.any(-1), hit.byte().argmax(-1), -1))
+            self._greedy_ranks = torch.cat(out).numpy() if out else np.zeros((0, depth), int)
+        return self._greedy_ranks
 
 
 def _content_sha256(tensors: dict[str, torch.Tensor]) -> str:
