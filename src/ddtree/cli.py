@@ -28,6 +28,11 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
         "estimate",
         "project decode tokens/s for hardware and drafters you do not have",
     ),
+    (
+        ("diagnose",),
+        "diagnose",
+        "attribute the tokens/s ratio of two engine runs to tau and stages",
+    ),
     (("bench", "tree"), "bench_tree", "time top-k, tree build and verify layout"),
     (("bench", "engine"), "bench_engine", "sweep policies and budgets; write measurement records"),
     (("bench", "bandwidth"), "bench_bandwidth", "measure memory bandwidth of this machine"),

@@ -391,7 +391,8 @@ class Record:
 @dataclass(kw_only=True)
 class EngineRun(Record):
     """One decode run of the engine: a policy at one (block size, budget) over a prompt set.
-    points: one per step ``{"tau": int, "step_s": float, "stage_s": {stage: seconds}}``."""
+    points: one per step ``{"tau": int, "step_s": float, "stage_s": {stage: seconds}}``, and
+    ``"context_len"`` (tokens in the target's cache when the step starts) when known."""
 
     kind: ClassVar[str] = "engine_run"
 

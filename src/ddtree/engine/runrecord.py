@@ -56,6 +56,23 @@ def summarize(results: Sequence[GenerationResult]) -> dict[str, Any]:
     }
 
 
+def step_points(
+    results: Sequence[GenerationResult], prompt_lens: Sequence[int] = ()
+) -> list[dict[str, Any]]:
+    """One point per step. With the prompt lengths, each carries ``context_len``: the tokens
+    in the target's cache when the step starts (the root's position: prompt + committed)."""
+    points = []
+    for i, r in enumerate(results):
+        context = prompt_lens[i] if len(prompt_lens) == len(results) else None
+        for s in r.steps:
+            point = {"tau": s.tau, "step_s": s.step_s, "stage_s": dict(s.stage_s)}
+            if context is not None:
+                point["context_len"] = context
+                context += s.tau
+            points.append(point)
+    return points
+
+
 def engine_run_record(
     results: Sequence[GenerationResult],
     config: DecodeConfig,
@@ -90,10 +107,6 @@ def engine_run_record(
         tp=getattr(target_info, "tp", 1),
         prompt_set={"count": len(results), "lengths": list(prompt_lens)},
         config_extra=dict(extra or {}),
-        points=[
-            {"tau": s.tau, "step_s": s.step_s, "stage_s": dict(s.stage_s)}
-            for r in results
-            for s in r.steps
-        ],
+        points=step_points(results, prompt_lens),
         **summarize(results),
     )
