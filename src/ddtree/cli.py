@@ -115,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(run(args) or 0)
-    except (ValueError, FileNotFoundError, NonFiniteLogitsError, DistributedError) as e:
-        # bad input (files, fields, arguments) or a model emitting NaN/inf: the message names
-        # it; DDTREE_DEBUG=1 re-raises
+    except (ValueError, OSError, NonFiniteLogitsError, DistributedError) as e:
+        # bad input (files, fields, arguments), a file that cannot be read or written, or a
+        # model emitting NaN/inf: the message names it; DDTREE_DEBUG=1 re-raises
         if os.environ.get("DDTREE_DEBUG"):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_describe(e)}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as e:
         # sizes too large for this machine (a huge --vocab, --samples, ...): one line saying so
@@ -152,3 +152,10 @@ def _allocation(e: BaseException) -> str:
         return f"tried to allocate {int(match.group(1)) / 1e9:,.1f} GB"
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def _describe(e: BaseException) -> str:
+    """One line: an OSError as ``file: reason`` (its str() starts with ``[Errno N]``)."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return " ".join(str(e).split()) or type(e).__name__

@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
 
@@ -71,6 +72,14 @@ seed = int_in(0, MAX_SEED, what="a seed")
 def threads(text: str) -> int:
     """torch CPU threads: 0 (torch's default) up to this machine's CPU count."""
     return int_in(0, os.cpu_count() or 1, what="a thread count (0: torch's default)")(text)
+
+
+def output_file(text: str) -> Path:
+    """A file to write (records, traces): not an existing folder; parent folders are created."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; expected a file path to write")
+    return path
 
 
 def int_list_upto(high: int | None) -> Callable[[str], list[int]]:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from ddtree.commands._args import int_list_upto, non_negative_int, positive_int, threads
+from ddtree.commands._args import (
+    int_list_upto,
+    non_negative_int,
+    output_file,
+    positive_int,
+    threads,
+)
 
 
 def _methods(text: str) -> list[str]:
@@ -47,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=threads, default=0, help="torch threads (0: torch's default)")
     p.add_argument(
-        "--records", help="append bench_bandwidth measurement records to this JSONL file"
+        "--records",
+        type=output_file,
+        help="append bench_bandwidth measurement records to this JSONL file",
     )
 
 

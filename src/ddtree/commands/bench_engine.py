@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ddtree.commands._args import int_list, non_negative_int
+from ddtree.commands._args import int_list, non_negative_int, output_file
 from ddtree.commands._decode import (
     add_decode_arguments,
     add_model_arguments,
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--n-prompts", type=non_negative_int, default=0, help="use the first n prompts (0: all)"
     )
     p.add_argument(
-        "--records", type=Path, help="engine_run records file (default runs/engine-*.jsonl)"
+        "--records", type=output_file, help="engine_run records file (default runs/engine-*.jsonl)"
     )
     add_decode_arguments(p, max_new_tokens=64)
 

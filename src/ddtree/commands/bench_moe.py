@@ -11,6 +11,7 @@ from pathlib import Path
 from ddtree.commands._args import (
     int_list,
     non_negative_int,
+    output_file,
     positive_float,
     positive_int,
     seed,
@@ -76,7 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a JSONL file of `ddtree bench bandwidth` records; its read figure is the peak "
         "(default: measure a 256 MiB read now)",
     )
-    p.add_argument("--records", help="append bench_moe measurement records to this JSONL file")
+    p.add_argument(
+        "--records",
+        type=output_file,
+        help="append bench_moe measurement records to this JSONL file",
+    )
 
 
 def _shape(args: argparse.Namespace):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ddtree.commands._args import int_list, non_negative_int, positive_int, threads
+from ddtree.commands._args import int_list, non_negative_int, output_file, positive_int, threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="torch threads (default 1: the tree core is single-threaded; 0: torch's default)",
     )
-    p.add_argument("--records", help="append a bench_tree measurement record to this JSONL file")
+    p.add_argument(
+        "--records",
+        type=output_file,
+        help="append a bench_tree measurement record to this JSONL file",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ddtree.commands._args import non_negative_int, positive_int
+from ddtree.commands._args import non_negative_int, output_file, positive_int
 from ddtree.commands._decode import add_decode_arguments, add_model_arguments
 
 
@@ -13,7 +13,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, default_demo=True)
     p.add_argument("--prompts", type=Path, help="JSON list of prompt strings (default: demo's)")
     p.add_argument("--n-prompts", type=positive_int, default=4, help="how many prompts to decode")
-    p.add_argument("--records", type=Path, help="engine_run records (default runs/engine-*.jsonl)")
+    p.add_argument(
+        "--records", type=output_file, help="engine_run records (default runs/engine-*.jsonl)"
+    )
     p.add_argument(
         "--show", type=non_negative_int, default=2, help="print the DDTree text of this many"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ddtree.commands._args import output_file
 from ddtree.commands._decode import (
     add_decode_arguments,
     add_model_arguments,
@@ -19,7 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="ddtree", choices=("ar", "chain", "ddtree"))
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print tau and tokens/s to stderr")
-    p.add_argument("--records", help="append an engine_run measurement record to this JSONL file")
+    p.add_argument(
+        "--records",
+        type=output_file,
+        help="append an engine_run measurement record to this JSONL file",
+    )
     add_decode_arguments(p, max_new_tokens=128)
 
 

@@ -7,7 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ddtree.commands._args import non_negative_int, positive_int
+from ddtree.commands._args import non_negative_int, output_file, positive_int
 from ddtree.commands._decode import add_model_arguments, demo_prompts, load_models
 
 
@@ -25,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="drafter candidates stored per depth, capped at the vocabulary; a budget N replays "
         "exactly when N <= K (default: %(default)s)",
     )
-    p.add_argument("--out", type=Path, help="trace file (default runs/trace-<time>.safetensors)")
+    p.add_argument(
+        "--out", type=output_file, help="trace file (default runs/trace-<time>.safetensors)"
+    )
     p.add_argument(
         "--compare-ar",
         action="store_true",

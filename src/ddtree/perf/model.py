@@ -314,6 +314,12 @@ def load_model(spec: dict[str, Any], where: str, base_dir: Path | None = None) -
     optional ``[model.precision]`` overrides per component."""
     if not isinstance(spec, dict):
         raise ModelError(f"{where}: [model] must be a table")
+    unknown = sorted(set(spec) - {"preset", "config", "precision"})
+    if unknown:
+        raise ModelError(
+            f"{where}: model: unknown field(s) {', '.join(unknown)}; "
+            "expected some of config, precision, preset"
+        )
     if ("preset" in spec) == ("config" in spec):
         raise ModelError(
             f"{where}: model needs exactly one of 'preset' ({', '.join(PRESETS)}) or "
