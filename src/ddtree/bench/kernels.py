@@ -6,6 +6,8 @@ op that does work is at least one kernel launch on CUDA in eager mode, so we cou
 aten ops (those that call no other aten op) of each part of a step, leaving out ops that
 only make views or allocate (no kernel):
 
+- a transformers Qwen3 decoder layer (GQA attention, sdpa) apart from its MLP, for dense
+  and GQA targets;
 - the target forward over a verify tree, split by module: attention (with the layer's two
   RMSNorms and residual adds), the router and expert dispatch outside the expert loop
   (``routed_moe``), each touched expert (``routed_moe_per_expert``: our MoE loops over the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -105,9 +108,38 @@ def count_by_module(fn: Callable[[], object], modules: dict[str, list[nn.Module]
     return Counter(_label_of(ev) or "" for ev in leaf_ops(prof))
 
 
+@torch.inference_mode()
+def count_gqa_layer(m: int = 9, context: int = 53) -> float:
+    """Kernels per decoder layer of a transformers Qwen3 (GQA) model (sdpa attention, the
+    ddtree HF wrapper's default) over ``m`` new tokens after ``context`` cached ones, apart
+    from its MLP: attention with the layer's norms and residual adds."""
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    model = Qwen3ForCausalLM(cfg).eval()
+    cache = DynamicCache(config=cfg)
+    # transformers 5.24 renamed the cache keyword (DESIGN.md facts)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    model(torch.arange(context)[None], use_cache=True, **{key: cache})
+    ids = torch.arange(m)[None] + 7
+    positions = torch.arange(context, context + m)[None]
+    layers = list(model.model.layers)
+    by = count_by_module(
+        lambda: model(ids, position_ids=positions, use_cache=True, **{key: cache}),
+        {"layer": layers, "mlp": [lay.mlp for lay in layers]},
+    )
+    return by["layer"] / len(layers)
+
+
 @dataclass
 class KernelCounts:
     attention: float
+    attention_gqa: float
     routed_moe: float
     routed_moe_per_expert: float
     shared_experts: float
@@ -190,6 +222,7 @@ def count_kernels(target_dir: Path, drafter_dir: Path, prompt: list[int], budget
     n_drafter = len(drafter.model.layers)
     return KernelCounts(
         attention=attention,
+        attention_gqa=count_gqa_layer(int(tree.tokens.numel()), len(prompt)),
         routed_moe=routed,
         routed_moe_per_expert=per_expert,
         shared_experts=by["shared"] / n_moe,
@@ -209,6 +242,10 @@ def to_toml(counts: KernelCounts, about: str) -> str:
     c = counts
     rows = {
         "attention": (c.attention, "MLA attention + the layer's 2 RMSNorms and residual adds"),
+        "attention_gqa": (
+            c.attention_gqa,
+            "GQA attention (transformers Qwen3, sdpa) + the layer's norms and residual adds",
+        ),
         "routed_moe": (
             c.routed_moe,
             "router, expert sort/dispatch and combine (outside the expert loop)",

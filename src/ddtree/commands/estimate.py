@@ -37,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --backtest: calibrate on runs at these budgets, predict the others",
     )
     p.add_argument(
+        "--validate",
+        metavar="FOLDER",
+        help="predict each published point of FOLDER (e.g. examples/validation) calibrated on "
+        "the other sources' points; print the error per point and the MAPE",
+    )
+    p.add_argument(
         "--samples", type=positive_int, default=10_000, help="Monte Carlo samples (default 10000)"
     )
     p.add_argument("--seed", type=seed, default=0, help="Monte Carlo seed (default 0)")
@@ -57,6 +63,15 @@ def run(args: argparse.Namespace) -> int:
         print("ddtree estimate: --samples must be >= 1", file=sys.stderr)
         return 2
     try:
+        if args.validate:
+            from ddtree.perf import validate
+
+            v = validate.run(args.validate, min(args.samples, 2000), args.seed)
+            if args.json:
+                print(report.validation_json(v))
+            else:
+                report.validation_table(v, Console())
+            return 0
         if args.backtest:
             sf = load(args.scenario, args.backtest)
             if args.scenario is None:  # hold out records only, not the bundled seed's anchors

@@ -196,34 +196,65 @@ def misfit_scale(
     return max(1.0, float(anchor_r @ anchor_r) / dof), k_eff
 
 
-def posterior_samples(cal: Calibration, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """``n`` parameter vectors from the calibration's posterior, ``{name: [n]}``.
+MIN_ESS_FRACTION = 0.02  # below this effective sample fraction, keep the Laplace draws
+
+
+def _clip_efficiencies(params: dict, names: list[str]) -> None:
+    for name in names:
+        if name.split("@")[0].endswith("efficiency"):
+            params[name] = np.minimum(params[name], 1.0)
+
+
+@dataclass
+class PosteriorDraws:
+    params: dict[str, np.ndarray]  # name -> [n]
+    effective_samples: float  # of the importance weights (n when none were needed)
+    resampled: bool
+
+    def describe(self) -> str:
+        n = len(next(iter(self.params.values()), [0]))
+        if self.resampled:
+            return f"Laplace draws resampled by the true posterior (ESS {self.effective_samples:.0f} of {n})"
+        return (
+            f"Laplace draws (importance weights too uneven to resample: ESS "
+            f"{self.effective_samples:.0f} of {n}); p50 may sit off the point estimate"
+        )
+
+
+def posterior_samples(cal: Calibration, n: int, rng: np.random.Generator) -> PosteriorDraws:
+    """``n`` parameter vectors from the calibration's posterior.
 
     Draws from the Laplace Gaussian (the proposal), then resamples them with weights
     posterior / proposal, the posterior being the fit's own objective (anchor residuals over
-    their noise, widened by ``misfit_scale``, plus the priors). Where the model is close to
-    linear the weights are flat and this is the Gaussian; where it is not (a sum of terms
-    that each fall as 1 / efficiency), it removes the Gaussian's bias, so a case at an
-    anchor's configuration centres on that anchor.
+    their noise, deflated by ``misfit_scale``, plus the priors; efficiencies capped at 1).
+    Where the model is close to linear this is the Gaussian; where it is not (a sum of terms
+    that each fall as 1 / efficiency) it removes the Gaussian's bias, so a case at an
+    anchor's configuration centres on that anchor. When the weights are too uneven (effective
+    sample size under ``MIN_ESS_FRACTION`` of n: many anchors that disagree), resampling
+    would keep a handful of draws; the Laplace draws are kept instead, and say so.
     """
     out = {k: np.full(n, v, dtype=float) for k, v in cal.values.items()}
     if not cal.names:
-        return out
+        return PosteriorDraws(out, float(n), False)
     draws = rng.multivariate_normal(cal.mean_log, cal.cov_log, size=n, method="eigh")  # [n, K]
+    params = {**cal.fixed, **{nm: np.exp(draws[:, i]) for i, nm in enumerate(cal.names)}}
+    _clip_efficiencies(params, cal.names)
+    ess, resampled = float(n), False
     if cal.anchors:
-        params = {**cal.fixed, **{nm: np.exp(draws[:, i]) for i, nm in enumerate(cal.names)}}
         chi2_a = sum(r**2 for r in _log_residuals(cal.anchors, params)) / cal.misfit_scale
         chi2_p = (((draws - cal.prior_mean_log) / cal.prior_sd_log) ** 2).sum(axis=1)
         d = draws - cal.mean_log
         chi2_q = np.einsum("ni,ij,nj->n", d, np.linalg.pinv(cal.cov_log), d)
         log_w = -0.5 * (chi2_a + chi2_p - chi2_q)
         w = np.exp(log_w - log_w.max())
-        draws = draws[rng.choice(n, size=n, p=w / w.sum())]
-    for i, name in enumerate(cal.names):
-        out[name] = np.exp(draws[:, i])
-        if name.split("@")[0].endswith("efficiency"):
-            out[name] = np.minimum(out[name], 1.0)
-    return out
+        ess = float(w.sum() ** 2 / (w**2).sum())
+        if ess >= MIN_ESS_FRACTION * n:
+            pick = rng.choice(n, size=n, p=w / w.sum())
+            params = {k: v[pick] if np.ndim(v) else v for k, v in params.items()}
+            resampled = True
+    for name in cal.names:
+        out[name] = params[name]
+    return PosteriorDraws(out, ess, resampled)
 
 
 @dataclass

@@ -111,7 +111,7 @@ BASE_PARAMS: dict[str, ParamSpec] = {
 # (a factor below and above the default) and what they stand for.
 ENGINE_PARAMS: dict[str, tuple[float, str]] = {
     "step_overhead": (3, "host overhead per step"),
-    "launch": (2, "time per kernel launch"),
+    "launch": (4, "time per kernel of the eager layer (KERNELS): dispatch or its fused share"),
     "topk_fixed": (3, "top-k glue per step (selection setup, copies to the tree builder)"),
     "topk_per_candidate": (3, "top-k cost per candidate kept, per drafted position"),
     "tree_fixed": (2, "tree build, fixed part"),
@@ -182,7 +182,7 @@ ENGINES: dict[str, EngineProfile] = {
     "graphs": EngineProfile(
         "graphs",
         step_overhead_s=0.5e-3,
-        launch_s=0.25e-6,
+        launch_s=0.4e-6,
         topk_fixed_s=10e-6,
         topk_per_candidate_s=2e-9,
         **_HOST_TREE,
@@ -575,7 +575,8 @@ def attention(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Compo
     )
     return _device(
         "attention (weights + KV)", fwd.stage, pt, params, weights + kv, flops,
-        COMPUTE_PRECISION[model.precision["attention"]], L * KERNELS["attention"],
+        COMPUTE_PRECISION[model.precision["attention"]],
+        L * KERNELS["attention" if model.attention == "mla" else "attention_gqa"],
         "L x attn params x bytes/param / TP + C x L x context x KV bytes/token "
         "(FLOPs 2 x M x C x L x attn params + M x C x L x (context + M) x FLOPs/query-key)",
     )  # fmt: skip

@@ -180,7 +180,12 @@ _FP8_ALL = {
 _REF_D = "REFERENCE.md D (aiconfigurator model_configs)"
 
 
-def _qwen3(name, layers, hidden, inter, heads, kv, vocab=151936, **moe) -> ModelShape:
+_QWEN3_SOURCE = (
+    "Qwen/Qwen3 config.json figures (from memory of the published configs; not re-verified here)"
+)
+
+
+def _qwen3(name, layers, hidden, inter, heads, kv, vocab=151936, source=_QWEN3_SOURCE, **moe):
     return ModelShape(
         name=name,
         num_layers=layers,
@@ -192,8 +197,7 @@ def _qwen3(name, layers, hidden, inter, heads, kv, vocab=151936, **moe) -> Model
         num_heads=heads,
         num_kv_heads=kv,
         head_dim=128,
-        source="Qwen/Qwen3 config.json figures (from memory of the published configs; not "
-        "re-verified here)",
+        source=source,
         **moe,
     )
 
@@ -211,6 +215,11 @@ PRESETS: dict[str, ModelShape] = {
         _REF_D + ", Kimi-K2.5 shapes; INT4 W4A16 group 32 on routed experts only (vLLM #32437)",
     ),
     "deepseek-v3": _mla("deepseek-v3", 61, 3, 128, 256, 129280, _FP8_ALL, _REF_D),
+    "llama-3.1-8b": _qwen3(
+        "llama-3.1-8b", 32, 4096, 14336, 32, 8, vocab=128256,
+        source="meta-llama/Llama-3.1-8B config.json figures (32 layers, hidden 4096, MLP 14336, "
+        "32 heads, 8 KV heads, vocab 128256; from memory of the published config)",
+    ),
     "qwen3-0.6b": _qwen3("qwen3-0.6b", 28, 1024, 3072, 16, 8),
     "qwen3-1.7b": _qwen3("qwen3-1.7b", 28, 2048, 6144, 16, 8),
     "qwen3-4b": _qwen3("qwen3-4b", 36, 2560, 9728, 32, 8),

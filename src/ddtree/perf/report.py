@@ -318,7 +318,7 @@ def explain(est: Estimate) -> str:
             f"{r.point_tau:g} / {_ms(step)} = {pt.concurrency * r.point_tau / step:.0f} [derived]"
         )
         out.append(
-            f"Monte Carlo ({r.samples} samples, seed {r.seed}): tokens/s p10/p50/p90 = "
+            f"Monte Carlo ({r.samples} samples, seed {r.seed}; {r.posterior}): tokens/s p10/p50/p90 = "
             f"{r.tokens_per_s[10]:.0f} / {r.tokens_per_s[50]:.0f} / {r.tokens_per_s[90]:.0f}"
         )
         if r.speedup_vs_ar is not None:
@@ -507,3 +507,82 @@ __all__ = [
     "to_json",
     "write_report",
 ]
+
+
+def _validation_rows(v) -> list[dict[str, Any]]:
+    out = []
+    for r in v.rows:
+        a, p = r.point.anchor, r.point
+        out.append(
+            {
+                "point": p.name,
+                "source": p.source.key,
+                "citation": f"{p.source.title} ({p.source.url}; {p.source.where})",
+                "what": p.what,
+                "measured_as": p.measured,
+                "engine": p.engine_name,
+                "profile": a.point.engine,
+                "hardware": a.point.hardware.key,
+                "model": a.model.name,
+                "policy": str(a.point.policy),
+                "tp": a.point.tp,
+                "concurrency": a.point.concurrency,
+                "tau": a.tau,
+                "measured_tokens_per_s": r.measured_tokens_per_s,
+                "predicted_tokens_per_s": r.predicted_tokens_per_s,
+                "band_tokens_per_s": _pcts(r.band_tokens_per_s),
+                "rel_error": r.rel_error,
+                "explanation": p.note if r.needs_note else "",
+                "explained": r.explained,
+                "calibrated_on": r.calibrated_on,
+            }
+        )
+    return out
+
+
+def validation_json(v) -> str:
+    from ddtree.perf.validate import EXPLAIN_ABOVE
+
+    doc = {
+        "folder": v.folder,
+        "mode": "leave-one-source-out",
+        "mape": v.mape,
+        "sources": v.sources,
+        "explain_above": EXPLAIN_ABOVE,
+        "unexplained": [r.point.name for r in v.rows if not r.explained],
+        "points": _validation_rows(v),
+    }
+    return json.dumps(doc, indent=2)
+
+
+def validation_table(v, console) -> None:
+    from rich.table import Table
+
+    from ddtree.perf.validate import EXPLAIN_ABOVE
+
+    t = Table(
+        title=f"validation: {len(v.rows)} published points, {len(v.sources)} sources, each "
+        "predicted from the other sources' points (leave-one-source-out)",
+        caption="tok/s: measured; predicted: at the calibrated parameters; p10-p90: posterior",
+    )
+    for col in ("point", "mode", "C", "tok/s", "predicted", "p10-p90", "error"):
+        t.add_column(col, justify="left" if col in ("point", "mode") else "right")
+    for r in v.rows:
+        a = r.point.anchor
+        b = r.band_tokens_per_s
+        flag = "" if not r.needs_note else (" *" if r.explained else " !")
+        t.add_row(
+            r.point.name, a.point.engine, str(a.point.concurrency),
+            f"{r.measured_tokens_per_s:.0f}", f"{r.predicted_tokens_per_s:.0f}",
+            f"{b[10]:.0f}-{b[90]:.0f}", f"{r.rel_error:+.1%}{flag}",
+        )  # fmt: skip
+    console.print(t)
+    console.print(f"MAPE {v.mape:.1%} over {len(v.rows)} points (goal <= 20%)")
+    off = [r for r in v.rows if r.needs_note]
+    if off:
+        console.print(f"off by more than {EXPLAIN_ABOVE:.0%} (* explained, ! unexplained):")
+        for r in off:
+            console.print(f"  {r.point.name} ({r.rel_error:+.1%}): {r.point.note or 'UNEXPLAINED'}")
+    console.print("sources: " + "; ".join(
+        f"{s}: {next(r.point.source.url for r in v.rows if r.point.source.key == s)}"
+        for s in v.sources))  # fmt: skip

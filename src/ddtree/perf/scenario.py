@@ -167,7 +167,7 @@ def _int(raw: Any, where: str, low: int = 1) -> int:
     return raw
 
 
-def _check_keys(table: dict, allowed: set[str], where: str) -> None:
+def check_keys(table: dict, allowed: set[str], where: str) -> None:
     extra = set(table) - allowed
     if extra:
         raise ScenarioError(
@@ -189,7 +189,7 @@ def _positive(raw: Any, dim: u.Dim, where: str) -> float:
 
 
 @dataclass
-class _Ctx:
+class ParseContext:
     """What parsing a point needs: the file, its hardware and engines, the deployment
     defaults, the drafter, and where notes for the user go."""
 
@@ -215,8 +215,8 @@ class _Ctx:
         return name
 
 
-def _drafter(spec: dict, where: str) -> Drafter:
-    _check_keys(
+def drafter_from(spec: dict, where: str) -> Drafter:
+    check_keys(
         spec,
         {"params", "layers", "precision", "kv_bytes_per_token", "shares_target_lm_head", "source"},
         where,
@@ -248,7 +248,7 @@ def _hardware_ref(name: Any, hardware: dict[str, Hardware], where: str) -> Hardw
     return hardware[name]
 
 
-def _point(table: dict, ctx: _Ctx, drafter: Drafter | None, where: str) -> Point:
+def _point(table: dict, ctx: ParseContext, drafter: Drafter | None, where: str) -> Point:
     """hardware, policy (default ddtree), block_size and budget (ddtree), deployment fields."""
     merged = {**ctx.deploy, **{k: v for k, v in table.items() if k in _DEPLOY}}
     if "hardware" not in table:
@@ -325,7 +325,7 @@ def _tau(raw: Any, point: Point, where: str) -> Value:
     return tau
 
 
-def _noise(raw: Any, where: str) -> float:
+def noise_of(raw: Any, where: str) -> float:
     if raw is None:
         return DEFAULT_ANCHOR_NOISE
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < 1:
@@ -341,7 +341,7 @@ def _param_entry(name: str, raw: Any, spec: ParamSpec, where: str):
     ``{value = v, fit = true}`` makes v the prior's centre."""
     dim = _PARAM_DIMS[spec.unit]
     if isinstance(raw, dict):
-        _check_keys(raw, {"value", "range", "fit", "source"}, where)
+        check_keys(raw, {"value", "range", "fit", "source"}, where)
         value = _positive(raw["value"], dim, f"{where}.value") if "value" in raw else None
         rng = _value(raw["range"], dim, f"{where}.range") if "range" in raw else None
         if rng is not None and not isinstance(rng, Range):
@@ -382,7 +382,7 @@ def load_scenario(path: str | Path, records_hw: dict[str, Hardware] | None = Non
 
 
 def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> ScenarioFile:
-    _check_keys(
+    check_keys(
         data,
         {"title", "model", "drafter", "deployment", "hardware", "engine", "parameters",
          "anchor", "scenario", "report", "records"},
@@ -391,7 +391,7 @@ def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> Scenario
     if "model" not in data:
         raise ScenarioError(f"{where}: missing [model] (preset = ... or config = ...)")
     model = load_model(data["model"], where, base_dir)
-    drafter = _drafter(data["drafter"], f"{where}: drafter") if "drafter" in data else None
+    drafter = drafter_from(data["drafter"], f"{where}: drafter") if "drafter" in data else None
     hardware = {**load_catalog(), **records_hw}
     for key, entry in (data.get("hardware") or {}).items():
         if not isinstance(entry, dict):
@@ -405,7 +405,7 @@ def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> Scenario
         w = f"{where}: engine.{name}"
         if not isinstance(entry, dict):
             raise ScenarioError(f"{w} must be a table")
-        _check_keys(entry, {*ENGINE_PARAMS, "about"}, w)
+        check_keys(entry, {*ENGINE_PARAMS, "about"}, w)
         base = engines.get(name, ENGINES["eager"])
         times = {f"{f}_s": _positive(entry[f], u.TIME, f"{w}.{f}") for f in ENGINE_PARAMS
                  if f in entry}  # fmt: skip
@@ -421,8 +421,8 @@ def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> Scenario
         if pinned is not None:
             fixed[name] = pinned
     deploy = data.get("deployment") or {}
-    _check_keys(deploy, _DEPLOY, f"{where}: deployment")
-    ctx = _Ctx(where, hardware, engines, deploy, drafter, [])
+    check_keys(deploy, _DEPLOY, f"{where}: deployment")
+    ctx = ParseContext(where, hardware, engines, deploy, drafter, [])
     anchors: list[Anchor] = []
     for i, a in enumerate(data.get("anchor") or []):
         anchors.append(_anchor(a, i, model, ctx))
@@ -454,7 +454,39 @@ def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> Scenario
     )
 
 
-def _anchor(a, i: int, model: ModelShape, ctx: _Ctx) -> Anchor:
+STEP_ANCHOR_KEYS = {"hardware", "block_size", "budget", "tau", "tokens_per_s", "step"} | _DEPLOY
+
+
+def step_anchor(
+    a: dict,
+    name: str,
+    model: ModelShape,
+    drafter: Drafter | None,
+    ctx: ParseContext,
+    where: str,
+    source: str,
+    noise: float = DEFAULT_ANCHOR_NOISE,
+) -> StepAnchor:
+    """A measured step from a table with ``STEP_ANCHOR_KEYS``: the point, tau and one of
+    ``tokens_per_s`` (aggregate over the C requests) or ``step`` (time per step, e.g. TPOT)."""
+    point = _point(a, ctx, drafter, where)
+    tau = _tau(a.get("tau"), point, where)
+    if isinstance(tau, Range):
+        raise ScenarioError(f"{where}.tau: an anchor's tau is one measured value, not a range")
+    if ("tokens_per_s" in a) == ("step" in a):
+        raise ScenarioError(
+            f"{where}: give exactly one of 'tokens_per_s' (like '303 tok/s') or 'step' "
+            "(time per step, like '14.5 ms')"
+        )
+    if "tokens_per_s" in a:
+        tps = _positive(a["tokens_per_s"], u.TOKEN_RATE, f"{where}.tokens_per_s")
+        step_s = point.concurrency * tau / tps
+    else:
+        step_s = _positive(a["step"], u.STEP_TIME, f"{where}.step")
+    return StepAnchor(name, model, point, tau, step_s, source, noise)
+
+
+def _anchor(a, i: int, model: ModelShape, ctx: ParseContext) -> Anchor:
     where = ctx.where
     w = f"{where}: anchor[{i}]"
     if not isinstance(a, dict):
@@ -463,31 +495,12 @@ def _anchor(a, i: int, model: ModelShape, ctx: _Ctx) -> Anchor:
     name = str(a.get("name", f"anchor{i}"))
     w = f"{where}: anchor[{i}] ({name})"
     source = str(a.get("source", ""))
-    noise = _noise(a.get("noise"), w)
+    noise = noise_of(a.get("noise"), w)
     if kind == "step":
-        _check_keys(
-            a,
-            {"kind", "name", "hardware", "block_size", "budget", "tau", "tokens_per_s", "step",
-             "source", "noise"} | _DEPLOY,
-            w,
-        )  # fmt: skip
-        point = _point(a, ctx, ctx.drafter, w)
-        tau = _tau(a.get("tau"), point, w)
-        if isinstance(tau, Range):
-            raise ScenarioError(f"{w}.tau: an anchor's tau is one measured value, not a range")
-        if ("tokens_per_s" in a) == ("step" in a):
-            raise ScenarioError(
-                f"{w}: give exactly one of 'tokens_per_s' (like '303 tok/s') or 'step' "
-                "(time per step, like '14.5 ms')"
-            )
-        if "tokens_per_s" in a:
-            tps = _positive(a["tokens_per_s"], u.TOKEN_RATE, f"{w}.tokens_per_s")
-            step_s = point.concurrency * tau / tps
-        else:
-            step_s = _positive(a["step"], u.STEP_TIME, f"{w}.step")
-        return StepAnchor(name, model, point, tau, step_s, source, noise)
+        check_keys(a, STEP_ANCHOR_KEYS | {"kind", "name", "source", "noise"}, w)
+        return step_anchor(a, name, model, ctx.drafter, ctx, w, source, noise)
     if kind == "moe_layer":
-        _check_keys(a, {"kind", "name", "hardware", "m", "time", "tp", "source", "noise"}, w)
+        check_keys(a, {"kind", "name", "hardware", "m", "time", "tp", "source", "noise"}, w)
         for key in ("hardware", "m", "time"):
             if key not in a:
                 raise ScenarioError(f"{w}: missing field '{key}'")
@@ -504,18 +517,18 @@ def _anchor(a, i: int, model: ModelShape, ctx: _Ctx) -> Anchor:
     raise ScenarioError(f"{w}.kind: {kind!r}; expected 'step' or 'moe_layer'")
 
 
-def _case(s, i: int, ctx: _Ctx, specs: dict[str, ParamSpec], anchor_names) -> ScenarioCase:
+def _case(s, i: int, ctx: ParseContext, specs: dict[str, ParamSpec], anchor_names) -> ScenarioCase:
     name = str(s.get("name", f"scenario{i}"))
     w = f"{ctx.where}: scenario[{i}] ({name})"
     if not isinstance(s, dict):
         raise ScenarioError(f"{ctx.where}: scenario[{i}] must be a table ([[scenario]])")
-    _check_keys(
+    check_keys(
         s,
         {"name", "question", "hardware", "block_size", "budget", "tau", "anchors", "parameters",
          "article", "drafter"} | _DEPLOY,
         w,
     )  # fmt: skip
-    d = _drafter(s["drafter"], f"{w}.drafter") if "drafter" in s else ctx.drafter
+    d = drafter_from(s["drafter"], f"{w}.drafter") if "drafter" in s else ctx.drafter
     point = _point(s, ctx, d, w)
     tau = _tau(s.get("tau"), point, w)
     anchors = s.get("anchors")
@@ -535,7 +548,7 @@ def _case(s, i: int, ctx: _Ctx, specs: dict[str, ParamSpec], anchor_names) -> Sc
     if "article" in s:
         art = s["article"]
         aw = f"{w}.article"
-        _check_keys(art, {"tokens_per_s", "step", "moe", "note"}, aw)
+        check_keys(art, {"tokens_per_s", "step", "moe", "note"}, aw)
         article = Article(
             tokens_per_s=_value(art["tokens_per_s"], u.TOKEN_RATE, f"{aw}.tokens_per_s")
             if "tokens_per_s" in art

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.perf.calibrate import Calibration, posterior_samples
+from ddtree.perf.calibrate import Calibration, PosteriorDraws, posterior_samples
 from ddtree.perf.cost import Amdahl, StepCost, amdahl, step_cost
 from ddtree.perf.model import ModelShape
 from ddtree.perf.scenario import Range, ScenarioCase, Value
@@ -35,13 +35,14 @@ def point_value(v: Value) -> float:
 
 def sample_inputs(
     cal: Calibration, case: ScenarioCase, n: int, seed: int
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """-> (parameter samples [n] each, tau samples [n])."""
+) -> tuple[dict[str, np.ndarray], np.ndarray, PosteriorDraws]:
+    """-> (parameter samples [n] each, tau samples [n], the posterior draws' diagnostics)."""
     rng = np.random.default_rng(seed)
-    params = posterior_samples(cal, n, rng)
+    draws = posterior_samples(cal, n, rng)
+    params = dict(draws.params)
     for name, v in case.overrides.items():
         params[name] = _draw(v, n, rng)
-    return params, _draw(case.tau, n, rng)
+    return params, _draw(case.tau, n, rng), draws
 
 
 @dataclass
@@ -74,6 +75,7 @@ class CaseResult:
     tornado: list[TornadoBar]
     samples: int
     seed: int
+    posterior: str = ""  # how the parameter samples were drawn
 
 
 def _percentiles(x: np.ndarray) -> dict[int, float]:
@@ -83,7 +85,7 @@ def _percentiles(x: np.ndarray) -> dict[int, float]:
 def run_case(
     model: ModelShape, case: ScenarioCase, cal: Calibration, n: int = 10_000, seed: int = 0
 ) -> CaseResult:
-    params, tau = sample_inputs(cal, case, n, seed)
+    params, tau, draws = sample_inputs(cal, case, n, seed)
     cost = step_cost(model, case.point, params, tau)
     step = np.broadcast_to(np.asarray(cost.step_s, dtype=float), (n,))
     tps = case.point.concurrency * tau / step  # [n]
@@ -110,6 +112,7 @@ def run_case(
         tornado=tornado(model, case, pt_params, pt_tau, params, tau),
         samples=n,
         seed=seed,
+        posterior=draws.describe(),
     )
 
 
