@@ -162,8 +162,10 @@ def test_policies_and_the_old_engine_name(tmp_path, capsys):
     )
     assert by["tree"]["engine"] == "graphs"
     assert by["tree"]["ar_tokens_per_s"]["p50"] > by["ar"]["tokens_per_s"]["p50"]
-    rc, out, _ = _run(capsys, str(path), "--samples", "300")
-    assert "speedup vs AR p10/p50/p90" in out
+    rc, out, _ = _run(capsys, str(path), "--samples", "300", "--report", str(tmp_path / "rep"))
+    assert rc == 0 and "speedup vs AR p10/p50/p90" in out
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "speedup vs AR p10 / p50 / p90" in md and "| ar |" in md
 
 
 def _records(tmp_path):

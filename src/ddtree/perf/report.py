@@ -17,7 +17,7 @@ from ddtree.perf.estimate import Estimate
 from ddtree.perf.fromrecords import PROFILE_OF_MODE
 from ddtree.perf.scenario import Range, StageAnchor, StepAnchor
 from ddtree.perf.uncertainty import CaseResult, point_value
-from ddtree.records import Stage
+from ddtree.records import Policy, Stage
 
 
 def _ms(s: float) -> str:
@@ -449,7 +449,7 @@ def write_report(est: Estimate, out_dir: str | Path) -> list[Path]:
         # 3. tokens/s vs budget at the scenario's tau (tau held fixed: shows the cost side)
         budgets = [8, 16, 32, 64, 128, 256]
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in est.results:
+        for r in (x for x in est.results if x.case.point.policy is Policy.DDTREE):
             ys = []
             for n in budgets:
                 pt = dataclasses.replace(r.case.point, budget=n)
