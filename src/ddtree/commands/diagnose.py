@@ -7,12 +7,14 @@ import argparse
 import json
 from pathlib import Path
 
+from ddtree.commands._args import non_negative_int
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", type=Path, help="engine_run records of the reference run (A)")
     p.add_argument("b", type=Path, help="engine_run records of the run to explain (B)")
     p.add_argument("--policy", help="compare only records of this policy")
-    p.add_argument("--budget", type=int, help="compare only records at this budget")
+    p.add_argument("--budget", type=non_negative_int, help="compare only records at this budget")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
 
 

@@ -30,30 +30,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ddtree.engine import generate
+    from ddtree.engine.stop import IncrementalText
 
     config = decode_config(args, args.policy, stop_strings=tuple(args.stop))
     models = load_models(args, need_drafter=args.policy != "ar", default_demo=True)
     codec = models.codec
     prompt_ids = codec.encode(args.prompt)
-    committed = list(prompt_ids)
-    shown = codec.decode(committed)
+    # print what each step adds, decoded incrementally after the prompt's tokens, so pieces
+    # that merge across the boundary (spaces, multi-byte characters) come out right
+    text = IncrementalText(codec)
+    for token in prompt_ids:
+        text.push(token)
 
-    def show(text: str) -> None:
-        # print what the text gained; decode prompt + completion together so that pieces that
-        # merge across the boundary (spaces, multi-byte characters) come out right
-        nonlocal shown
-        if text.startswith(shown):
-            sys.stdout.write(text[len(shown) :])
-            sys.stdout.flush()
-            shown = text
-
-    def stream(new_tokens: list[int]) -> None:
-        committed.extend(new_tokens)
-        show(codec.decode(committed))
+    def stream(new_tokens: list[int]) -> None:  # the step's tokens, after any stop
+        sys.stdout.write("".join(text.push(t) for t in new_tokens))
+        sys.stdout.flush()
 
     sys.stdout.write(args.prompt)
     result = generate(models.target, models.drafter, prompt_ids, config, codec, on_commit=stream)
-    show(codec.decode(list(prompt_ids) + result.tokens))  # the final text, after stop truncation
     sys.stdout.write("\n")
     if args.records and result.steps:
         from ddtree.engine import engine_run_record
