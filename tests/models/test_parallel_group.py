@@ -20,7 +20,7 @@ from ddtree.models.parallel import (
     release,
     serve_spawned,
 )
-from ddtree.perf.cost import DEPLOYMENTS, collectives_per_forward
+from ddtree.perf.cost import CONTROL_BROADCASTS_PER_CALL, DEPLOYMENTS, collectives_per_forward
 from ddtree.perf.model import shape_from_config
 
 TARGET = DEMO_DIR / "target"
@@ -61,7 +61,7 @@ def count_calls(monkeypatch, name: str) -> list[int]:
 def test_tp2_logits_equal_one_process(group, whole, ep, monkeypatch):
     """Prefill, decode and tree verify at TP = 2 (experts TP-split, or EP = 2) equal the
     single-process logits within 1e-5; each forward does exactly the cost model's all-reduces
-    (two per layer) and each Target call two broadcasts (header, payload)."""
+    (two per layer) and each Target call its control broadcasts (header, payload)."""
     deployment = DEPLOYMENTS["tp-ep" if ep > 1 else "tp"]
     shape = shape_from_config(read_config(TARGET))
     per_forward = collectives_per_forward(shape, deployment).all_reduce  # the cost model's
@@ -88,7 +88,7 @@ def test_tp2_logits_equal_one_process(group, whole, ep, monkeypatch):
             if expected is not None:
                 assert (got - expected).abs().max() <= TOL, i
                 assert all_reduces[0] - before[0] == per_forward, i
-            assert broadcasts[0] - before[1] == 2, i
+            assert broadcasts[0] - before[1] == CONTROL_BROADCASTS_PER_CALL, i
         assert tp2.seq_len == whole.seq_len == 50 + 1 + 3
 
 

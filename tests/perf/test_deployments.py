@@ -89,7 +89,7 @@ def test_tp_ep_costs_like_tp_but_for_the_experts():
 def test_dp_attention_replicates_weights_and_swaps_the_all_reduce_for_all_to_all():
     tp, dp = step_cost(K2T, point("tp"), P, 4.4), step_cost(K2T, point("dp-ep"), P, 4.4)
     names = [c.name for c in dp.components]
-    assert "TP all-reduce" not in names and "EP all-to-all" in names
+    assert "EP all-to-all" in names and not [n for n in names if n.startswith("TP ")]
     assert dp.component("LM head over M").hbm_bytes == pytest.approx(
         8 * tp.component("LM head over M").hbm_bytes
     )
@@ -161,9 +161,15 @@ def test_this_machines_all_reduce_is_measured():
     pt = dataclasses.replace(point(hardware=machine), tp=2)
     for scale in (0.5, 4.0):
         params = {**P, **{f"allreduce_scale.{k}": scale for k in ("pcie", "nvlink", "fabric")}}
-        ar = step_cost(K2T, pt, params, 4.4).component("TP all-reduce")
+        cost = step_cost(K2T, pt, params, 4.4)
+        ar = cost.component("TP all-reduce")
         assert ar.seconds == pytest.approx(2 * 61 * (400e-6 + 9 * 7168 * 2 / 0.4e9))
         assert "measured" in ar.rule
+        # rank 0's header + payload broadcasts for the verify and for the commit
+        for name in ("TP control broadcasts", "TP control broadcasts (commit)"):
+            assert cost.component(name).seconds == pytest.approx(2 * 400e-6)
+    one_gpu = step_cost(K2T, dataclasses.replace(pt, tp=1), P, 4.4)
+    assert not [c for c in one_gpu.components if c.name.startswith("TP ")]
 
 
 def test_a_gpu_run_replaces_the_catalog_link():

@@ -728,6 +728,28 @@ def ep_alltoall(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Com
     )  # fmt: skip
 
 
+CONTROL_BROADCASTS_PER_CALL = 2
+"""Broadcasts from rank 0 per Target call (verify, commit) in a tensor-parallel group: a
+header, then the call's payload (``ddtree.models.parallel.Channel``; tested)."""
+
+
+def _control(pt: Point, params: dict, stage: Stage, name: str) -> Component | None:
+    if pt.tp <= 1 or pt.deployment.dp_attention:
+        return None
+    return Component(
+        name, stage, CONTROL_BROADCASTS_PER_CALL * _link_s(pt, params, 0.0), 0.0, 0.0, 0.0,
+        Bound.LINK, _link_rule(pt.hardware),
+        f"{CONTROL_BROADCASTS_PER_CALL} small broadcasts from rank 0 per Target call x latency "
+        "(which call, then its tokens or indices)",
+    )  # fmt: skip
+
+
+def control_broadcasts(model: ModelShape, pt: Point, params: dict, fwd: Forward):
+    """Rank 0 telling the other ranks which forward to run (data-parallel attention: each GPU
+    schedules its own requests, none)."""
+    return _control(pt, params, fwd.stage, "TP control broadcasts")
+
+
 TARGET_FORWARD: tuple[Callable[..., Component | None], ...] = (
     attention,
     attention_scores,
@@ -737,6 +759,7 @@ TARGET_FORWARD: tuple[Callable[..., Component | None], ...] = (
     lm_head,
     tp_allreduce,
     ep_alltoall,
+    control_broadcasts,
 )
 
 
@@ -895,6 +918,7 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
                 accept_walk(pt, params),
                 kv_commit(model, pt, params, tau),
                 commit_glue(pt, params),
+                _control(pt, params, Stage.COMMIT, "TP control broadcasts (commit)"),
             )
             if c is not None
         ]
