@@ -318,3 +318,30 @@ def spawn_group(
         for process in processes:
             process.terminate()
         raise
+
+
+def start_group(
+    world_size: int,
+    entry: Callable,
+    args: tuple = (),
+    device: torch.device | str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+) -> Group | None:
+    """Rank 0's group, however the ranks start: under a launcher (torchrun) this process joins
+    the launched group, and on ranks > 0 runs ``entry(group, *args)``, leaves the group and
+    returns None; otherwise this process becomes rank 0 and spawns the others running
+    ``entry``."""
+    if not launched_by_torchrun():
+        return spawn_group(world_size, entry, args, device, timeout_s, ready_timeout_s)
+    group = join_launched_group(world_size, device, timeout_s, ready_timeout_s)
+    if group.rank == 0:
+        return group
+    try:
+        entry(group, *args)
+    except DistributedError as err:
+        group.report_error(str(err))
+        raise
+    finally:
+        group.close()
+    return None

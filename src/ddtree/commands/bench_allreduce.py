@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         follow_allreduce,
         measure_allreduce,
     )
-    from ddtree.distributed import join_launched_group, launched_by_torchrun, spawn_group
+    from ddtree.distributed import start_group
     from ddtree.records import BenchAllreduce, HardwareInfo, Provenance, write_records
 
     _check(args)
@@ -84,16 +84,9 @@ def run(args: argparse.Namespace) -> int:
         tuple(args.m), args.hidden, args.dtype, args.repeats, args.warmup, args.iters, args.threads
     )
     torch.set_num_threads(args.threads)
-    if launched_by_torchrun():
-        group = join_launched_group(args.tp, args.device, args.timeout)
-        if group.rank != 0:
-            try:
-                follow_allreduce(group, settings)
-            finally:
-                group.close()
-            return 0
-    else:
-        group = spawn_group(args.tp, follow_allreduce, (settings,), args.device, args.timeout)
+    group = start_group(args.tp, follow_allreduce, (settings,), args.device, args.timeout)
+    if group is None:  # a rank > 0 under torchrun: it measured along with rank 0
+        return 0
     console = Console()
     try:
         with Progress(console=console, transient=True) as progress:

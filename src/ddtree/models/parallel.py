@@ -50,9 +50,7 @@ from ddtree.distributed import (
     DEFAULT_READY_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     Group,
-    join_launched_group,
-    launched_by_torchrun,
-    spawn_group,
+    start_group,
 )
 from ddtree.errors import DistributedError, NonFiniteLogitsError
 from ddtree.models.base import TargetOutput
@@ -612,20 +610,10 @@ def load_parallel_target(
         capacity=capacity,
         check_finite=check_finite,
     )
-    if launched_by_torchrun():
-        group = join_launched_group(tp, device, timeout_s, ready_timeout_s)
-        if group.rank != 0:
-            try:
-                serve(group)
-            except DistributedError as err:
-                group.report_error(str(err))
-                raise
-            finally:
-                group.close()
-            raise SystemExit(0)
-    else:
-        threads = (torch.get_num_threads(),)
-        group = spawn_group(tp, serve_spawned, threads, device, timeout_s, ready_timeout_s)
+    threads = (torch.get_num_threads(),)
+    group = start_group(tp, serve_spawned, threads, device, timeout_s, ready_timeout_s)
+    if group is None:  # a rank > 0 under torchrun: it served rank 0, which has closed
+        raise SystemExit(0)
     try:
         return ParallelTarget.open(group, spec, owns_group=True)
     except BaseException:
