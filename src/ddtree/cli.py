@@ -28,6 +28,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
         "estimate",
         "project decode tokens/s for hardware and drafters you do not have",
     ),
+    (("tune",), "tune", "best budget per hardware from measured acceptance and the cost model"),
     (
         ("diagnose",),
         "diagnose",

@@ -278,6 +278,15 @@ class Backtest:
         return float(np.mean([abs(r.rel_error) for r in self.rows])) if self.rows else float("nan")
 
 
+def training_anchors(anchors: Sequence[Anchor], train_budgets: Sequence[int]) -> list[Anchor]:
+    """The anchors a calibration on ``train_budgets`` sees: every anchor that is not part of
+    an engine run, and the runs (step and stage anchors) at those budgets."""
+    budget_of = {a.name: a.point.budget for a in anchors if isinstance(a, StepAnchor)}
+    return [
+        a for a in anchors if _run_of(a) is None or budget_of.get(_run_of(a), -1) in train_budgets
+    ]
+
+
 def backtest(
     anchors: Sequence[Anchor],
     specs: dict[str, ParamSpec],
@@ -290,7 +299,6 @@ def backtest(
     budgets (plus every non-step anchor) and predict the rest.
     """
     steps = [a for a in anchors if isinstance(a, StepAnchor)]
-    budget_of = {a.name: a.point.budget for a in steps}
     rows = []
 
     def row(a: StepAnchor, cal: Calibration) -> BacktestRow:
@@ -298,9 +306,7 @@ def backtest(
         return BacktestRow(a.name, a.tokens_per_s, a.point.concurrency * a.tau / step)
 
     if train_budgets:
-        train = [a for a in anchors if _run_of(a) is None or
-                 budget_of.get(_run_of(a), -1) in train_budgets]  # fmt: skip
-        cal = calibrate(train, specs, fixed)
+        cal = calibrate(training_anchors(anchors, train_budgets), specs, fixed)
         rows = [row(a, cal) for a in steps if a.point.budget not in train_budgets]
         mode = f"calibrated on budgets {', '.join(map(str, train_budgets))}, predicting the rest"
     else:

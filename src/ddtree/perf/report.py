@@ -149,7 +149,10 @@ def _pcts(x: dict[int, float] | None) -> dict[str, float] | None:
 
 
 def _tau(v) -> str:
-    return f"{v.low:g}-{v.high:g}" if isinstance(v, Range) else f"{v:g}"
+    if not isinstance(v, Range):
+        return f"{v:g}"
+    mode = "" if v.mode is None else f" (mode {v.mode:.3g})"
+    return f"{v.low:.3g}-{v.high:.3g}{mode}"
 
 
 def _param(v: float, unit: str) -> str:
@@ -181,6 +184,7 @@ def to_dict(est: Estimate) -> dict[str, Any]:
                 "tau": dataclasses.asdict(r.case.tau)
                 if isinstance(r.case.tau, Range)
                 else r.case.tau,
+                "tau_source": r.case.tau_source or "assumed: scenario input",
                 "anchors": r.calibration.anchors_used,
                 "policy": str(r.case.point.policy),
                 "tokens_per_s": _pcts(r.tokens_per_s),
@@ -292,7 +296,7 @@ def explain(est: Estimate) -> str:
             f"block {pt.block_size}, budget {pt.budget} -> M = N + 1 = {pt.verify_width} [derived]; "
             f"engine {pt.engine} [{sf.engines[pt.engine].about or 'assumed'}]"
         )
-        out.append(f"tau = {_tau(r.case.tau)} [assumed: scenario input]")
+        out.append(f"tau = {_tau(r.case.tau)} [{r.case.tau_source or 'assumed: scenario input'}]")
         if m.n_routed_experts:
             from ddtree.perf.cost import experts_touched
 

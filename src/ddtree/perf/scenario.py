@@ -128,6 +128,7 @@ class ScenarioCase:
     overrides: dict[str, Value]  # parameter overrides for this projection
     article: Article | None = None
     question: str = ""
+    tau_source: str = ""  # provenance of a measured tau ("" : typed into the scenario)
 
 
 @dataclass
@@ -145,6 +146,18 @@ class ScenarioFile:
     sweep_hardware: list[str] = field(default_factory=list)
     records: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # said once to the user (renamed fields)
+    deployment: dict = field(default_factory=dict)  # the raw [deployment] table
+
+    def point_at(self, hardware: str, policy: Policy, block_size: int, budget: int) -> Point:
+        """This file's deployment (TP, C, context, engine, drafter) on ``hardware`` at one
+        policy / block size / budget (what ``ddtree tune`` sweeps)."""
+        ctx = ParseContext(
+            self.path, self.hardware, self.engines, self.deployment, self.drafter, []
+        )
+        table = {"hardware": hardware, "policy": str(policy), "block_size": block_size}
+        if policy is not Policy.AR:
+            table["budget"] = budget
+        return _point(table, ctx, self.drafter, f"{self.path}: deployment on {hardware}")
 
 
 def _value(raw: Any, dim: u.Dim, where: str) -> Value:
@@ -199,6 +212,7 @@ class ParseContext:
     deploy: dict
     drafter: Drafter | None
     notes: list[str]
+    base_dir: Path = Path(".")  # relative paths in the file are relative to it
 
     def engine(self, raw: Any, where: str) -> str:
         name = str(raw)
@@ -422,7 +436,7 @@ def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> Scenario
             fixed[name] = pinned
     deploy = data.get("deployment") or {}
     check_keys(deploy, _DEPLOY, f"{where}: deployment")
-    ctx = ParseContext(where, hardware, engines, deploy, drafter, [])
+    ctx = ParseContext(where, hardware, engines, deploy, drafter, [], base_dir)
     anchors: list[Anchor] = []
     for i, a in enumerate(data.get("anchor") or []):
         anchors.append(_anchor(a, i, model, ctx))
@@ -451,6 +465,7 @@ def _parse(data: dict, where: str, base_dir: Path, records_hw: dict) -> Scenario
         sweep_hardware=sweep,
         records=[str(base_dir / p) for p in recs.get("paths", [])],
         notes=ctx.notes,
+        deployment=dict(deploy),
     )
 
 
@@ -530,7 +545,18 @@ def _case(s, i: int, ctx: ParseContext, specs: dict[str, ParamSpec], anchor_name
     )  # fmt: skip
     d = drafter_from(s["drafter"], f"{w}.drafter") if "drafter" in s else ctx.drafter
     point = _point(s, ctx, d, w)
-    tau = _tau(s.get("tau"), point, w)
+    tau_source = ""
+    if isinstance(s.get("tau"), dict):  # tau = { records = "acc.jsonl" }: measured
+        from ddtree.perf.acceptance import tau_from_records
+
+        measured = tau_from_records(
+            s["tau"], point.policy, point.block_size, point.budget, ctx.base_dir, f"{w}.tau"
+        )
+        raw = measured.value
+        raw = [raw.low, raw.mode, raw.high] if isinstance(raw, Range) else raw
+        tau, tau_source = _tau(raw, point, w), measured.label
+    else:
+        tau = _tau(s.get("tau"), point, w)
     anchors = s.get("anchors")
     if anchors is not None:
         bad = [a for a in anchors if a not in anchor_names]
@@ -557,4 +583,5 @@ def _case(s, i: int, ctx: ParseContext, specs: dict[str, ParamSpec], anchor_name
             moe_s=_positive(art["moe"], u.STEP_TIME, f"{aw}.moe") if "moe" in art else None,
             note=str(art.get("note", "")),
         )
-    return ScenarioCase(name, point, tau, anchors, overrides, article, str(s.get("question", "")))
+    question = str(s.get("question", ""))
+    return ScenarioCase(name, point, tau, anchors, overrides, article, question, tau_source)

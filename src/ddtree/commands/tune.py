@@ -1,0 +1,241 @@
+"""`ddtree tune`: the best budget per hardware and policy, from measured acceptance
+(`ddtree replay tau` records) and the calibrated cost model. Imports no torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ddtree.commands._args import int_list
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scenario", help="scenario TOML: model, drafter, deployment, anchors")
+    p.add_argument(
+        "--acceptance",
+        action="append",
+        required=True,
+        metavar="RECORDS",
+        help="acceptance records (`ddtree replay tau --records`); repeatable",
+    )
+    p.add_argument("--trace", help="use the acceptance records of this trace fingerprint")
+    p.add_argument(
+        "--hardware",
+        default="b300,h200,this-machine",
+        help="comma-separated hardware keys (default: %(default)s; this-machine needs --records "
+        "with a bench_bandwidth record)",
+    )
+    p.add_argument(
+        "--records",
+        action="append",
+        metavar="PATH",
+        help="measurement records to calibrate on (JSONL file or folder); repeatable",
+    )
+    p.add_argument(
+        "--train-budgets",
+        type=int_list,
+        help="calibrate only on engine runs at these budgets, and check the prediction at the "
+        "other measured budgets on this-machine (held-out check)",
+    )
+    p.add_argument("--samples", type=int, default=4000, help="Monte Carlo samples per point")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument("--report", metavar="DIR", help="write tune.md and tune_tokens_vs_budget.png")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddtree.perf.acceptance import choose_trace, read_acceptance
+    from ddtree.perf.calibrate import calibrate, training_anchors
+    from ddtree.perf.estimate import load
+    from ddtree.perf.tune import held_out, tune
+
+    if args.samples < 1:
+        raise ValueError("--samples must be >= 1")
+    hardware = [h for h in args.hardware.split(",") if h]
+    if not hardware:
+        raise ValueError("--hardware: expected at least one hardware key")
+    sf = load(args.scenario, args.records)
+    measured = choose_trace(read_acceptance(args.acceptance), args.trace, "--acceptance")
+    train = args.train_budgets or []
+    anchors = training_anchors(sf.anchors, train) if train else sf.anchors
+    cal = calibrate(anchors, sf.specs, sf.fixed)
+    curves = tune(sf, cal, hardware, measured, args.samples, args.seed)
+    check = None
+    if train and "this-machine" in hardware:
+        check = held_out(curves, sf.anchors, "this-machine", train)
+    if args.report:
+        for path in write_report(curves, check, Path(args.report)):
+            print(f"wrote {path}")
+    if args.json:
+        print(json.dumps(to_json(curves, check, measured[0].trace)))
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    for part in tune_text(curves, check, measured[0]):
+        console.print(part, markup=False, highlight=False)
+    return 0
+
+
+def _band(d: dict[int, float]) -> str:
+    return f"{d[10]:.4g} / {d[50]:.4g} / {d[90]:.4g}"
+
+
+def tune_text(curves, check, measured):
+    from rich.table import Table
+
+    out = [
+        f"tau: {measured.label}",
+        "tokens/s = C x tau / step [derived]; step from the calibrated cost model [derived]",
+    ]
+    for c in curves:
+        table = Table(title=f"{c.hardware}: {c.policy}, block {c.block_size}")
+        for col in ("N", "tau", "tok/s p10 / p50 / p90", "step ms p50", ""):
+            table.add_column(col, justify="right")
+        for p in c.points:
+            mark = "best" if p is c.best else ("within 5%" if p.budget in c.flat else "")
+            table.add_row(
+                str(p.budget),
+                f"{p.tau.mean:.2f}",
+                _band(p.tokens_per_s),
+                f"{p.step_s[50] * 1e3:.3g}",
+                mark,
+            )
+        out.append(table)
+        out.append(
+            f"{c.hardware} {c.policy}: best N = {c.best.budget} "
+            f"({c.best.tokens_per_s[50]:.4g} tok/s p50); flat region (within 5%): "
+            f"N in {c.flat}; why: {c.why}"
+        )
+    if check is not None:
+        out.extend(held_out_text(check))
+    return out
+
+
+def held_out_text(check):
+    from rich.table import Table
+
+    table = Table(
+        title=f"held-out check on {check.hardware}: calibrated on budgets "
+        f"{check.train_budgets}, predicting the other measured runs"
+    )
+    for col in ("policy", "N", "measured tok/s", "predicted p50", "error", "tau engine / replay"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in check.rows:
+        table.add_row(
+            str(r.policy),
+            str(r.budget),
+            f"{r.measured_tokens_per_s:.1f}",
+            f"{r.predicted_tokens_per_s:.1f}",
+            f"{r.rel_error:+.1%}",
+            f"{r.measured_tau:.3f} / {r.replayed_tau:.3f}",
+        )
+    verdict = "inside" if check.best_in_flat else "OUTSIDE"
+    return [
+        table,
+        f"MAPE {check.mape:.1%} over {len(check.rows)} held-out runs [measured vs derived]; the "
+        f"measured best ddtree budget N={check.measured_best} is {verdict} the predicted flat "
+        f"region {check.predicted_flat}",
+    ]
+
+
+def to_json(curves, check, trace: str) -> dict:
+    def point(p) -> dict:
+        return {
+            "budget": p.budget,
+            "tau": p.tau.mean,
+            "tau_low": p.tau.low,
+            "tau_high": p.tau.high,
+            "tokens_per_s": {f"p{k}": v for k, v in p.tokens_per_s.items()},
+            "step_s": {f"p{k}": v for k, v in p.step_s.items()},
+            "components_s": p.components_s,
+        }
+
+    out = {
+        "trace": trace,
+        "curves": [
+            {
+                "hardware": c.hardware,
+                "policy": str(c.policy),
+                "block_size": c.block_size,
+                "best_budget": c.best.budget,
+                "flat_budgets": c.flat,
+                "why": c.why,
+                "points": [point(p) for p in c.points],
+            }
+            for c in curves
+        ],
+    }
+    if check is not None:
+        out["held_out"] = {
+            "hardware": check.hardware,
+            "train_budgets": check.train_budgets,
+            "mape": check.mape,
+            "measured_best_budget": check.measured_best,
+            "predicted_flat_budgets": check.predicted_flat,
+            "best_in_flat": check.best_in_flat,
+            "rows": [
+                {
+                    "policy": str(r.policy),
+                    "budget": r.budget,
+                    "measured_tokens_per_s": r.measured_tokens_per_s,
+                    "predicted_tokens_per_s": r.predicted_tokens_per_s,
+                    "rel_error": r.rel_error,
+                }
+                for r in check.rows
+            ],
+        }
+    return out
+
+
+def write_report(curves, check, out: Path) -> list[Path]:
+    """tune_tokens_vs_budget.png (one line per hardware and policy, p10-p90 band, best
+    marked) and tune.md (the tables as Markdown)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for c in curves:
+        budgets = [p.budget for p in c.points]
+        p50 = [p.tokens_per_s[50] for p in c.points]
+        label = f"{c.hardware} {c.policy}"
+        (line,) = ax.plot(budgets, p50, marker="o" if len(budgets) > 1 else "s", label=label)
+        ax.fill_between(
+            budgets,
+            [p.tokens_per_s[10] for p in c.points],
+            [p.tokens_per_s[90] for p in c.points],
+            color=line.get_color(),
+            alpha=0.15,
+        )
+        ax.plot([c.best.budget], [c.best.tokens_per_s[50]], "*", ms=14, color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("budget N (non-root tree nodes)")
+    ax.set_ylabel("tokens/s (p50, band p10-p90)")
+    ax.set_title("tokens/s vs budget per hardware (measured tau, modelled step)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = out / "tune_tokens_vs_budget.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    md = ["# ddtree tune", "", "![tokens/s vs budget](tune_tokens_vs_budget.png)", ""]
+    for c in curves:
+        md += [f"## {c.hardware}: {c.policy}, block {c.block_size}", ""]
+        md += ["| N | tau | tok/s p10 | p50 | p90 | step ms p50 |", "|---|---|---|---|---|---|"]
+        for p in c.points:
+            t = p.tokens_per_s
+            md.append(
+                f"| {p.budget} | {p.tau.mean:.2f} | {t[10]:.4g} | {t[50]:.4g} | {t[90]:.4g} | "
+                f"{p.step_s[50] * 1e3:.3g} |"
+            )
+        md += ["", f"Best N = {c.best.budget}; within 5%: {c.flat}. {c.why}.", ""]
+    if check is not None:
+        md += [f"Held-out check on {check.hardware}: MAPE {check.mape:.1%}; measured best "
+               f"N={check.measured_best}, predicted flat region {check.predicted_flat}.", ""]  # fmt: skip
+    report = out / "tune.md"
+    report.write_text("\n".join(md))
+    return [png, report]

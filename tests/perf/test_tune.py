@@ -1,0 +1,170 @@
+"""Measured tau in the estimator (scenario cases, `ddtree tune`) from acceptance records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ddtree.cli import main
+from ddtree.perf.acceptance import MeasuredTau, choose_trace, read_acceptance
+from ddtree.perf.calibrate import calibrate
+from ddtree.perf.scenario import ScenarioError, StepAnchor, load_scenario
+from ddtree.perf.tune import TuneCurve, TunePoint, held_out, tune
+from ddtree.records import Acceptance, HardwareInfo, Policy, write_records
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "demo_pair_tune.toml"
+
+
+def acceptance(budget, mean, low, high, trace="trace:aaaa", policy="ddtree", block=8):
+    return Acceptance(
+        hardware=HardwareInfo("test cpu", 2),
+        points=[{"steps": 10, "tokens": 10 * mean}],
+        policy=policy,
+        block_size=block,
+        budget=budget,
+        trace=trace,
+        target={"name": "tiny-target"},
+        drafter={"name": "tiny-drafter"},
+        top_k=1024,
+        max_new_tokens=64,
+        mean_tau=mean,
+        tau_low=low,
+        tau_high=high,
+        interval=0.9,
+        steps=20,
+        prompts=4,
+        tokens=int(20 * mean),
+        histogram=[1] * block,
+        depth_acceptance=[0.5] * (block - 1),
+        rank_acceptance=[0.5] * 8,
+        expected_tau=mean,
+    )
+
+
+TAUS = {2: 2.0, 4: 2.6, 8: 3.4, 16: 3.9, 32: 4.2, 64: 4.3}
+
+
+@pytest.fixture
+def acc_file(tmp_path):
+    path = tmp_path / "acc.jsonl"
+    recs = [acceptance(n, t, t - 0.2, t + 0.3) for n, t in TAUS.items()]
+    recs.append(acceptance(7, 3.0, 2.8, 3.2, policy="chain"))
+    write_records(path, recs)
+    return path
+
+
+def scenario(tmp_path, tau_line: str) -> Path:
+    text = EXAMPLE.read_text().replace(
+        'config = "../src/ddtree/assets/demo/target/config.json"',
+        f'config = "{EXAMPLE.parent.parent / "src/ddtree/assets/demo/target/config.json"}"',
+    )
+    text += f"""
+[[scenario]]
+name = "b300 at N=8"
+hardware = "b300"
+block_size = 8
+budget = 8
+{tau_line}
+"""
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_case_takes_its_tau_from_acceptance_records(tmp_path, acc_file, capsys):
+    sf = load_scenario(scenario(tmp_path, 'tau = { records = "acc.jsonl" }'))
+    (case,) = sf.cases
+    # the bootstrap interval, mode at the mean
+    assert (case.tau.low, case.tau.mode, case.tau.high) == pytest.approx((3.2, 3.4, 3.7))
+    assert "measured: replayed greedy acceptance, trace:aaaa" in case.tau_source
+    assert main(["estimate", str(tmp_path / "s.toml"), "--explain", "--samples", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "[measured: replayed greedy acceptance, trace:aaaa (4 prompts" in out
+
+
+def test_measured_tau_errors_name_the_field_and_what_exists(tmp_path, acc_file):
+    with pytest.raises(
+        ScenarioError, match=r"no acceptance record for ddtree at block 8, budget 8"
+    ):
+        bad = acc_file.parent / "few.jsonl"
+        write_records(bad, [acceptance(16, 3.9, 3.7, 4.1)])
+        load_scenario(scenario(tmp_path, 'tau = { records = "few.jsonl" }'))
+    write_records(acc_file, [acceptance(8, 3.0, 2.9, 3.1, trace="trace:bbbb")])
+    with pytest.raises(ScenarioError, match=r"hold 2 traces .* choose one with trace ="):
+        load_scenario(scenario(tmp_path, 'tau = { records = "acc.jsonl" }'))
+    sf = load_scenario(scenario(tmp_path, 'tau = { records = "acc.jsonl", trace = "trace:bbbb" }'))
+    tau = sf.cases[0].tau
+    assert (tau.low, tau.mode, tau.high) == pytest.approx((2.9, 3.0, 3.1))
+    with pytest.raises(ScenarioError, match=r"scenario\[0\] \(b300 at N=8\).tau: a measured tau"):
+        load_scenario(scenario(tmp_path, 'tau = { path = "acc.jsonl" }'))
+    with pytest.raises(ScenarioError, match="none.jsonl: no such records file"):
+        load_scenario(scenario(tmp_path, 'tau = { records = "none.jsonl" }'))
+
+
+def test_tune_finds_the_best_budget_and_its_flat_region(tmp_path, acc_file):
+    sf = load_scenario(scenario(tmp_path, "tau = 3.0"))
+    measured = choose_trace(read_acceptance(acc_file), None, "test")
+    cal = calibrate([], sf.specs, sf.fixed)
+    curves = tune(sf, cal, ["b300", "h200"], measured, samples=500)
+    assert [(c.hardware, str(c.policy)) for c in curves] == [
+        ("b300", "ddtree"),
+        ("b300", "chain"),
+        ("h200", "ddtree"),
+        ("h200", "chain"),
+    ]
+    for c in curves:
+        p50 = {p.budget: p.tokens_per_s[50] for p in c.points}
+        assert c.best.budget == max(p50, key=p50.get)
+        assert c.flat == [n for n, v in p50.items() if v >= 0.95 * p50[c.best.budget]]
+        for p in c.points:  # tokens/s = tau / step at the point estimate, within the band
+            assert p.tokens_per_s[10] <= p.tokens_per_s[50] <= p.tokens_per_s[90]
+    ddtree = curves[0]
+    assert [p.budget for p in ddtree.points] == sorted(TAUS)
+    assert ddtree.why  # says which component grows, or that tokens/s still rises
+    with pytest.raises(ScenarioError, match="unknown hardware .*this-machine needs"):
+        tune(sf, cal, ["this-machine"], measured)
+
+
+def _point(budget, p50, tau=3.0):
+    m = MeasuredTau(Policy.DDTREE, 8, budget, tau, tau, tau, 0.9, "trace:x", "t", "d", 1, 1, "f")
+    return TunePoint("b300", Policy.DDTREE, 8, budget, m, {10: p50, 50: p50, 90: p50},
+                     {50: 1.0}, {}, {})  # fmt: skip
+
+
+def test_held_out_compares_predictions_with_measured_runs(tmp_path):
+    sf = load_scenario(scenario(tmp_path, "tau = 3.0"))
+    points = [_point(4, 100.0), _point(8, 120.0), _point(16, 118.0), _point(32, 90.0)]
+    curve = TuneCurve("b300", Policy.DDTREE, 8, points, points[1], [8, 16], "")
+
+    def run(budget, tokens_per_s):
+        point = sf.point_at("b300", Policy.DDTREE, 8, budget)
+        return StepAnchor(f"run{budget}", sf.model, point, 3.0, 3.0 / tokens_per_s, "m",
+                          from_records=True)  # fmt: skip
+
+    anchors = [run(4, 110.0), run(8, 125.0), run(16, 130.0), run(32, 80.0)]
+    check = held_out([curve], anchors, "b300", train_budgets=[4, 8])
+    assert [(r.budget, round(r.rel_error, 4)) for r in check.rows] == [
+        (16, round(118 / 130 - 1, 4)),
+        (32, round(90 / 80 - 1, 4)),
+    ]
+    assert check.mape == pytest.approx((abs(118 / 130 - 1) + abs(90 / 80 - 1)) / 2)
+    assert check.measured_best == 16 and check.best_in_flat
+
+
+def test_tune_command_json_and_report(tmp_path, acc_file, capsys):
+    argv = ["tune", str(scenario(tmp_path, "tau = 3.0")), "--acceptance", str(acc_file)]
+    argv += ["--hardware", "b300", "--samples", "300", "--json", "--report", str(tmp_path / "r")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out[out.index("{") :])
+    assert doc["trace"] == "trace:aaaa"
+    (ddtree,) = [c for c in doc["curves"] if c["policy"] == "ddtree"]
+    assert [p["budget"] for p in ddtree["points"]] == sorted(TAUS)
+    assert ddtree["best_budget"] in ddtree["flat_budgets"]
+    assert (tmp_path / "r" / "tune_tokens_vs_budget.png").stat().st_size > 1000
+    assert "Best N =" in (tmp_path / "r" / "tune.md").read_text()
+    argv = ["tune", str(tmp_path / "s.toml"), "--acceptance", str(acc_file), "--hardware", "nope"]
+    assert main(argv) == 2
+    assert "unknown hardware ['nope']" in capsys.readouterr().err
