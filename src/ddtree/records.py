@@ -409,6 +409,7 @@ class EngineRun(Record):
     dtype: str = config_field()
     device: str = config_field()
     engine_mode: EngineMode = config_field(EngineMode.EAGER)
+    width_buckets: list[int] = config_field([])  # compiled mode: verify widths padded up to
     tree_backend: str | None = config_field(None)  # ddtree.tree.backend(): "native" | "python"
     tp: int = config_field(1, minimum=1)
     concurrency: int = config_field(1, minimum=1)
@@ -425,6 +426,7 @@ class EngineRun(Record):
     new_tokens: int = summary_field(minimum=0)
     prefill_s_mean: float | None = summary_field(None)
     prompts: int | None = summary_field(None)
+    compile_s: float | None = summary_field(None)  # compiled mode's warm-up, outside steps
 
     @property
     def prompt_lengths(self) -> list[int]:

@@ -68,6 +68,10 @@ class ScriptedDrafter:
         self.seen = 0
         self.rng = torch.Generator().manual_seed(self.seed)
 
+    def set_engine_mode(self, plan) -> float:
+        self.reset()
+        return 0.0
+
     def propose(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
         self.seen += int(context_hidden.shape[0])
         logits = torch.randn(self.block_size - 1, self.vocab_size, generator=self.rng)  # [B-1, V]

@@ -39,7 +39,7 @@ def _exact_distribution(target, n: int, temperature, top_k, top_p) -> dict[tuple
             if lp == float("-inf"):
                 continue  # filtered out: its continuations never occur
             step = logprobs(prefix)
-            longer.update({prefix + (t,): lp + float(step[t]) for t in range(VOCAB)})
+            longer.update({prefix + (t,): lp + float(step[t]) for t in range(step.shape[0])})
         probs = longer
     return {seq: math.exp(lp) for seq, lp in probs.items()}
 

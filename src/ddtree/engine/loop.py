@@ -7,9 +7,16 @@ node; greedy or sampled) -> ``commit`` (keep the accepted path's KV entries). Th
 commits ``tau`` tokens: the accepted draft nodes and the bonus token, which becomes the next
 root. The first token after the prompt comes from the prefill's last logits.
 
-Layout: the engine builds positions and the ancestor-only additive mask
-(``ddtree.tree.verify_layout``) and hands them to ``Target.verify``, so they are timed as the
-``layout`` stage, apart from the target forward.
+Layout: the engine asks the target for what its verify takes (``Target.layout``: positions and
+the ancestor-only additive mask of ``ddtree.tree.verify_layout``, filled into a ``LayoutBuffer``
+reused across steps, in eager mode; the tree copied into preallocated static inputs in compiled
+mode) and hands it to ``Target.verify``, so it is
+timed as the ``layout`` stage, apart from the target forward.
+
+Engine mode (``DecodeConfig.engine_mode``, see ``ddtree.models.static``): ``eager`` or
+``compiled``; the loop is the same, the models run their forwards compiled at static shapes.
+Compiling happens in ``set_engine_mode`` before the prefill and is reported as ``compile_s``,
+never inside a step time.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from ddtree.engine.policies import Policy, get_policy, root_tree
 from ddtree.engine.stop import StopCondition
 from ddtree.engine.timing import StageClock, StepTimings
 from ddtree.models.base import Drafter, Target
+from ddtree.models.static import EnginePlan, check_engine_mode
 
 MAX_BUDGET = 8192
 """Largest budget N: the verify forward's width is M = N + 1 and its additive mask alone is
@@ -48,9 +56,15 @@ class DecodeConfig:
     seed: int = 0
     stop_strings: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None  # None: the target's
+    engine_mode: str = "eager"  # "eager" | "compiled" (ddtree.models.static)
+    buckets: tuple[int, ...] = ()  # compiled verify width buckets; (): the policy's own width
 
     def __post_init__(self) -> None:
         get_policy(self.policy)
+        check_engine_mode(self.engine_mode)
+        self.buckets = tuple(int(b) for b in self.buckets)
+        if any(b < 1 for b in self.buckets):
+            raise ValueError(f"buckets must be >= 1, got {list(self.buckets)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         low = 1 if self.policy == "ddtree" else 0
@@ -72,6 +86,12 @@ class DecodeConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def width_buckets(self) -> tuple[int, ...]:
+        """Verify widths the compiled graphs are built for: ``buckets``, else the policy's
+        width M (1 for ar, B for chain, N + 1 for ddtree)."""
+        policy = get_policy(self.policy)
+        return self.buckets or (policy.budget(self.block_size, self.budget) + 1,)
+
 
 @dataclass
 class GenerationResult:
@@ -80,6 +100,7 @@ class GenerationResult:
     taus: list[int]  # tokens each step added to ``tokens`` (after truncation at the stop)
     steps: list[StepTimings] = field(default_factory=list)
     prefill_s: float = 0.0
+    compile_s: float = 0.0  # warm-up compiles before the prefill (compiled mode), not in steps
     stop_reason: str = "max_new_tokens"  # "max_new_tokens" | "eos" | "stop_string"
 
     @property
@@ -111,7 +132,7 @@ def generate(
         raise ValueError(
             f"block_size {config.block_size} != the drafter's block_size {drafter.block_size}"
         )
-    _check_context(target, int(prompt.numel()), config.max_new_tokens, block)
+    max_len = _check_context(target, int(prompt.numel()), config.max_new_tokens, block)
     eos = target.info.eos_token_ids if config.eos_token_ids is None else config.eos_token_ids
     stop_condition = StopCondition(
         config.max_new_tokens, frozenset(eos), config.stop_strings, tokenizer
@@ -121,14 +142,13 @@ def generate(
     if not config.greedy:
         generator = torch.Generator(device=device).manual_seed(config.seed)
     clock = StageClock.for_device(device)
-    mask_dtype = getattr(torch, target.info.dtype)
 
-    target.reset()
-    if drafter is not None and policy.needs_drafter:
-        drafter.reset()
-        target.set_capture_layers(list(drafter.target_layer_ids))
-    else:
-        target.set_capture_layers([])
+    use_drafter = drafter is not None and policy.needs_drafter
+    target.set_capture_layers(list(drafter.target_layer_ids) if use_drafter else [])
+    plan = EnginePlan(config.engine_mode, config.width_buckets(), max_len)
+    compile_s = target.set_engine_mode(plan)  # resets the cache
+    if use_drafter:
+        compile_s += drafter.set_engine_mode(plan)
 
     clock.begin()
     out = target.prefill(prompt.to(device))
@@ -137,19 +157,17 @@ def generate(
     context_hidden = out.hidden  # [T, F] hidden of tokens committed, not yet seen by drafter
 
     tokens = [root]
-    result = GenerationResult(tokens=tokens, text=None, taus=[], prefill_s=prefill_s)
+    result = GenerationResult(
+        tokens=tokens, text=None, taus=[], prefill_s=prefill_s, compile_s=compile_s
+    )
     if on_commit is not None:
         on_commit([root])
     stop = stop_condition.scan(tokens, 0)  # the prefill's token can stop the request too
     budget = policy.budget(config.block_size, config.budget)
-    layouts = None  # the verify mask's storage, allocated on the first step and reused
     while stop is None:
         clock.begin()
         tree = _propose(policy, drafter, context_hidden, root, budget, config, clock, device)
-        if layouts is None:  # room for the last step: start < seq_len + max_new_tokens
-            cols = target.seq_len + config.max_new_tokens + budget + 1
-            layouts = tree_core.LayoutBuffer(budget + 1, cols, mask_dtype, tree.tokens.device)
-        layout = tree_core.verify_layout(tree, target.seq_len, mask_dtype, out=layouts)
+        layout = target.layout(tree)
         clock.mark("layout")
         out = target.verify(tree, layout)
         clock.mark("verify")
@@ -215,7 +233,8 @@ def _choose(logits: torch.Tensor, config: DecodeConfig, generator) -> int:
     )
 
 
-def _check_context(target: Target, prompt_len: int, max_new_tokens: int, block: int) -> None:
+def _check_context(target: Target, prompt_len: int, max_new_tokens: int, block: int) -> int:
+    """Positions the request may reach; refuses what does not fit the target."""
     limit = target.info.max_position
     # the last step verifies up to B tokens after the committed ones
     needed = prompt_len + max_new_tokens + block
@@ -224,6 +243,7 @@ def _check_context(target: Target, prompt_len: int, max_new_tokens: int, block: 
             f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} + block {block} "
             f"needs {needed} positions; {target.info.name} has max_position {limit}"
         )
+    return needed
 
 
 def _device_of(target: Target) -> torch.device:

@@ -83,10 +83,15 @@ def engine_run_record(
     device: str = "cpu",
     prompt_lens: Sequence[int] = (),
     extra: dict[str, Any] | None = None,
-    engine_mode: EngineMode | str = EngineMode.EAGER,
+    engine_mode: EngineMode | str | None = None,
     producer: str = "ddtree.engine",
+    compile_s: float | None = None,
 ) -> EngineRun:
-    """The engine's record builder. ``extra`` keys go to the record's config as they are."""
+    """The engine's record builder. ``extra`` keys go to the record's config as they are.
+    ``engine_mode`` None: the config's. ``compile_s``: compile time spent outside ``results``
+    (a sweep's warm-up request); default the results' own."""
+    engine_mode = config.engine_mode if engine_mode is None else engine_mode
+    compiled = engine_mode != EngineMode.EAGER
     return EngineRun(
         hardware=HardwareInfo.collect(),
         provenance=Provenance.here(producer),
@@ -103,6 +108,8 @@ def engine_run_record(
         dtype=target_info.dtype,
         device=device,
         engine_mode=engine_mode,
+        width_buckets=list(config.width_buckets()) if compiled else [],
+        compile_s=sum(r.compile_s for r in results) if compile_s is None else compile_s,
         tree_backend=tree_backend(),
         tp=getattr(target_info, "tp", 1),
         prompt_set={"count": len(results), "lengths": list(prompt_lens)},

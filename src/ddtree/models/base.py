@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ddtree.errors import NonFiniteLogitsError  # noqa: F401  (re-exported for models)
+from ddtree.models.static import EnginePlan
 from ddtree.tree.layout import VerifyLayout
 from ddtree.tree.types import DraftTree
 
@@ -64,13 +65,22 @@ class Target(Protocol):
     def reset(self) -> None:
         """Drop the KV cache (seq_len becomes 0)."""
 
+    def set_engine_mode(self, plan: EnginePlan) -> float:
+        """Eager or compiled forwards for the next requests (``ddtree.models.static``); resets
+        the cache. Returns the seconds spent compiling (warm-up), 0 when nothing compiled.
+        A target that cannot run ``plan.mode`` raises ``EngineModeError``."""
+
+    def layout(self, tree: DraftTree):
+        """What ``verify`` takes for ``tree`` after the committed prefix: ``verify_layout``
+        in eager mode, the tree copied into preallocated static inputs in compiled mode."""
+
     def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
         """``input_ids`` [T] int64: append T tokens to the cache (all committed)."""
 
     def verify(self, tree: DraftTree, layout: VerifyLayout | None = None) -> TargetOutput:
         """One forward over the tree's M tokens; returns logits [M, V] and hidden [M, F].
-        ``layout`` is ``verify_layout(tree, seq_len, dtype)`` when the caller built it (the
-        engine does, to time it as its own stage); None builds it here."""
+        ``layout`` is ``layout(tree)`` when the caller built it (the engine does, to time it
+        as its own stage); None builds it here."""
 
     def commit(self, accepted: torch.Tensor) -> None:
         """``accepted`` [tau] int64 node indices of the last verified tree, root first."""
@@ -84,6 +94,9 @@ class Drafter(Protocol):
 
     def reset(self) -> None:
         """Drop the drafter's context cache."""
+
+    def set_engine_mode(self, plan: EnginePlan) -> float:
+        """As ``Target.set_engine_mode``, for ``propose``."""
 
     def propose(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
         """Append ``context_hidden`` [T_new, F] (target hidden states of the tokens committed

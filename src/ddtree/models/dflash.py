@@ -38,6 +38,7 @@ from torch import nn
 
 from ddtree.models.base import ModelInfo, NonFiniteLogitsError
 from ddtree.models.mla_moe import RMSNorm  # the same float32-accumulating norm
+from ddtree.models.static import EnginePlan, compile_forward, kv_bucket, mark_key_dim, timed
 
 ARCHITECTURE = "DFlashDraftModel"
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -251,19 +252,37 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(r, t, -1, self.c.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None) -> torch.Tensor:
-        """x [R, B, H] block; ctx_k/ctx_v [R, kv_heads, C, D]; mask [R, 1, B, C+B] bool (True:
-        visible) or None: the block attends to all context and the whole block."""
+    def forward(self, x, cos, sin, context, mask=None) -> torch.Tensor:
+        """x [R, B, H] block; ``context`` either (ctx_k, ctx_v) [R, kv_heads, C, D], to which
+        the block's keys/values are concatenated (batched forwards), or a :class:`CacheView`,
+        into which they are written at its slots before attending over its first ``n_keys``
+        rows (decoding). mask [R, 1, B, keys] bool (True: visible) or None: all visible."""
         r, b, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(r, b, -1, self.c.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)  # [R, heads, B, D]
         k, v = self.keys_values(x, cos, sin)
-        k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)  # [R, kv_heads, C+B, D]
+        if isinstance(context, CacheView):
+            context.k.index_copy_(2, context.slots, k)
+            context.v.index_copy_(2, context.slots, v)
+            k, v = context.k[:, :, : context.n_keys], context.v[:, :, : context.n_keys]
+        else:
+            k, v = torch.cat([context[0], k], 2), torch.cat([context[1], v], 2)
         groups = self.c.num_attention_heads // self.c.num_key_value_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.c.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(r, b, -1))
+
+
+@dataclass
+class CacheView:
+    """One layer's decode cache as the block attends to it: the block's keys/values go to
+    ``slots``, then the first ``n_keys`` slots (context, block, masked padding) are attended."""
+
+    k: torch.Tensor  # [1, kv_heads, capacity, D]
+    v: torch.Tensor  # [1, kv_heads, capacity, D]
+    slots: torch.Tensor  # [B] int64
+    n_keys: int
 
 
 class MLP(nn.Module):
@@ -285,8 +304,8 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, context, mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -340,31 +359,32 @@ class DFlashModel(nn.Module):
         return [layer.self_attn.keys_values(features, cos, sin) for layer in self.layers]
 
     def block_hidden(
-        self, block_emb, block_positions, ctx_kv, context_positions=None, visible=None
+        self, block_emb, block_positions, contexts, key_positions=None, visible=None
     ) -> torch.Tensor:
-        """block_emb [R, B, H] at block_positions [R, B], attending to the per-layer context
-        keys/values ``ctx_kv`` [R, kv_heads, C, D] -> final-normed hidden [R, B, H].
-        ``context_positions`` [R, C] (default 0..C-1) only matter for windowed or causal
-        layers (the keys are already rotated). ``visible`` [R, 1, B, C+B] bool (None: all)
-        hides more keys, on top of the window/causal rules (many blocks in one row)."""
+        """block_emb [R, B, H] at block_positions [R, B], attending per layer to ``contexts``
+        (``Attention.forward``'s context: (k, v) [R, kv_heads, C, D], to which the block's are
+        appended, or a ``CacheView``) -> final-normed hidden [R, B, H]. ``key_positions``
+        [R, keys], the position of every key (default: context 0..C-1, then the block), only
+        matter for windowed or causal layers (the keys are already rotated). ``visible``
+        [R or 1, 1, B, keys] bool (None: all) hides more keys on top of the window/causal
+        rules (many blocks in one row; padded keys of a compiled propose)."""
         c = self.config
         cos, sin = rope_cos_sin(block_positions, c.head_dim, c.rope_theta, block_emb.dtype)
+        kinds = [c.layer_attention(i) for i in range(len(contexts))]
+        if key_positions is None and any(kind != (None, False) for kind in kinds):
+            r, ctx_len = block_positions.shape[0], contexts[0][0].shape[2]
+            context_positions = torch.arange(ctx_len, device=block_positions.device)
+            key_positions = torch.cat([context_positions.expand(r, ctx_len), block_positions], 1)
         masks: dict[tuple, torch.Tensor | None] = {}
-        if any(kind != (None, False) for kind in map(c.layer_attention, range(len(ctx_kv)))):
-            r, ctx_len = block_positions.shape[0], ctx_kv[0][0].shape[2]
-            if context_positions is None:
-                context_positions = torch.arange(ctx_len, device=block_positions.device)
-            keys = torch.cat([context_positions.expand(r, ctx_len), block_positions], 1)
         x = block_emb
-        for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv, strict=True)):
-            kind = c.layer_attention(i)
+        for layer, context, kind in zip(self.layers, contexts, kinds, strict=True):
             if kind not in masks:
                 masks[kind] = (
                     visible
                     if kind == (None, False)
-                    else _both(attention_mask(block_positions, keys, *kind), visible)
+                    else _both(attention_mask(block_positions, key_positions, *kind), visible)
                 )
-            x = layer(x, cos, sin, k, v, masks[kind])
+            x = layer(x, cos, sin, context, masks[kind])
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -410,7 +430,7 @@ class DFlashModel(nn.Module):
             emb.to(feats.dtype),
             block_positions,
             self.context_kv(feats, context_positions),
-            context_positions,
+            torch.cat([context_positions.expand(r, ctx_len), block_positions], 1),
         )
         return self.logits(hidden[:, 1:], lm_head)
 
@@ -418,8 +438,13 @@ class DFlashModel(nn.Module):
 class DFlashDrafter:
     """The ``Drafter`` protocol over :class:`DFlashModel` for one request, with an incremental
     context cache: per layer the keys/values of every committed token seen so far (``seen``
-    of them, positions ``0..seen-1``) in buffers grown geometrically from ``capacity``.
-    ``check_finite``: NaN/inf drafter logits raise :class:`NonFiniteLogitsError`."""
+    of them, at slots = positions ``0..seen-1``) in one preallocated buffer grown
+    geometrically from ``capacity``. A propose writes the new context rows and then the
+    block's rows right after them, and attends over the buffer's first rows; the block's rows
+    are overwritten by the next propose. ``check_finite``: NaN/inf drafter logits raise
+    :class:`NonFiniteLogitsError`. Engine modes as the target's (``ddtree.models.static``):
+    compiled mode pads the new context to ``B`` rows (a longer first context is appended
+    eagerly first) and masks the padded keys."""
 
     def __init__(
         self,
@@ -436,7 +461,7 @@ class DFlashDrafter:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.block_size = self.config.block_size
-        self.capacity, self.check_finite = max(int(capacity), 1), check_finite
+        self.check_finite = check_finite
         # the Drafter protocol indexes hidden states as transformers does (0 = embeddings)
         self.target_layer_ids = [i + 1 for i in self.config.target_layer_ids]
         c = self.config
@@ -451,32 +476,41 @@ class DFlashDrafter:
             dtype=str(self.dtype).removeprefix("torch."),
             max_position=c.max_position_embeddings,
         )
-        self.reset()
+        kv_heads, head_dim = c.num_key_value_heads, c.head_dim
+        shape = (c.num_hidden_layers, 1, kv_heads, max(int(capacity), 1), head_dim)
+        self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, 1, kvh, C, D]
+        self._v = torch.zeros_like(self._k)
+        self._arange = torch.arange(max(int(capacity), c.block_size), device=self.device)
+        self._block = torch.full(
+            (1, c.block_size), c.mask_token_id, dtype=torch.int64, device=self.device
+        )  # [1, B]: [root, MASK x (B-1)], the root refilled each step
+        self._context = torch.zeros(1, c.block_size, c.context_features, device=self.device)
+        self._context = self._context.to(self.dtype)  # [1, B, F]: compiled mode's padded rows
+        self._seen_t = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._block_start = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.engine = EnginePlan()
+        self._compiled = None
+        self.seen = 0  # committed tokens whose context keys/values are cached
 
     def reset(self) -> None:
-        self.seen = 0  # committed tokens whose context keys/values are cached
-        self._k: list[torch.Tensor] = []  # per layer [1, kv_heads, capacity, D]
-        self._v: list[torch.Tensor] = []
+        self.seen = 0
 
-    def _append(self, new: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write the new tokens' per-layer k/v [1, kv_heads, T_new, D] after ``seen``."""
-        t_new = new[0][0].shape[2]
-        end = self.seen + t_new
-        have = self._k[0].shape[2] if self._k else 0
-        if end > have:
-            size = max(end, 2 * have, self.capacity)
-            for store, i in ((self._k, 0), (self._v, 1)):
-                for layer, kv in enumerate(new):
-                    grown = kv[i].new_empty(*kv[i].shape[:2], size, kv[i].shape[3])
-                    if have:
-                        grown[:, :, : self.seen] = store[layer][:, :, : self.seen]
-                        store[layer] = grown
-                    else:
-                        store.append(grown)
-        for layer, (k, v) in enumerate(new):
-            self._k[layer][:, :, self.seen : end] = k
-            self._v[layer][:, :, self.seen : end] = v
-        self.seen = end
+    @torch.inference_mode()
+    def set_engine_mode(self, plan: EnginePlan) -> float:
+        """Eager or compiled proposes for the next requests (the target's widths do not
+        matter: a propose always has B block rows and at most B new context rows). Compiled
+        mode compiles its one graph the first time; returns the seconds that took."""
+        self.engine = plan
+        self.reset()
+        if plan.mode == "eager":
+            return 0.0
+        self._ensure(kv_bucket(plan.max_len + 2 * self.block_size))
+        if self._compiled is not None:
+            return 0.0
+        self._compiled = compile_forward(_draft_step, self.device)
+        compile_s = timed(lambda: self._propose_static(self._context[0, :1], 0))
+        self.reset()
+        return compile_s
 
     @torch.inference_mode()
     def propose(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
@@ -487,30 +521,41 @@ class DFlashDrafter:
                 f"context_hidden has {context_hidden.shape[1]} features; the drafter expects "
                 f"{c.context_features} ({len(c.target_layer_ids)} target layers x {c.hidden_size})"
             )
-        if t_new:
-            positions = torch.arange(self.seen, self.seen + t_new, device=self.device)[None]
-            feats = self.model.context(context_hidden.to(self.device, self.dtype)[None])
-            self._append(self.model.context_kv(feats, positions))
-        if not self.seen:
+        if not self.seen and not t_new:
             raise ValueError(
                 "propose() needs context: the first call must carry the prompt's hidden states"
             )
-        ids = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.int64, device=self.device)
         if not 0 <= int(root_token) < c.vocab_size:
             raise ValueError(
                 f"root_token={root_token} outside the vocabulary 0..{c.vocab_size - 1}"
             )
-        ids[0, 0] = int(root_token)
-        positions = torch.arange(self.seen, self.seen + c.block_size, device=self.device)[None]
-        emb = self.embed_tokens(ids).to(self.dtype) * c.input_embedding_scale
-        n = self.seen
-        kv = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._k, self._v, strict=True)]
-        hidden = self.model.block_hidden(emb, positions, kv)
-        logits = self.model.logits(hidden[0, 1:], self.lm_head)  # [B-1, V]
+        context_hidden = context_hidden.to(self.device, self.dtype)
+        if self.engine.mode == "compiled":
+            logits = self._propose_static(context_hidden, int(root_token))
+        else:
+            end = self.seen + t_new
+            self._ensure(end + c.block_size)
+            self._seen_t.fill_(self.seen)
+            self._block_start.fill_(end)
+            self._block[0, 0] = int(root_token)
+            logits = _draft_step(
+                self.model,
+                self.embed_tokens,
+                self.lm_head,
+                context_hidden[None],
+                self._seen_t,
+                self._block,
+                self._block_start,
+                self._key_positions(end + c.block_size),
+                self._k,
+                self._v,
+                masked=False,
+            )
+            self.seen = end
         if self.check_finite and not torch.isfinite(logits.sum(dtype=torch.float32)):
             raise NonFiniteLogitsError(
-                f"drafter {self.info.name}: NaN/inf logits for the block after {n} context "
-                f"tokens (root {root_token}); stopping instead of drafting garbage"
+                f"drafter {self.info.name}: NaN/inf logits for the block after {self.seen} "
+                f"context tokens (root {root_token}); stopping instead of drafting garbage"
             )
         return logits
 
@@ -552,13 +597,69 @@ class DFlashDrafter:
         own_block = block_of[:, None] == block_of[None, :]  # [R*B, R*B]
         visible = torch.cat([sees_context, own_block], 1)[None, None]  # [1, 1, R*B, C+R*B]
         kv = self.model.context_kv(feats, ctx_positions)
-        hidden = self.model.block_hidden(emb, positions, kv, ctx_positions, visible)
+        keys = torch.cat([ctx_positions, positions], 1)  # [1, C + R*B]
+        hidden = self.model.block_hidden(emb, positions, kv, keys, visible)
         logits = self.model.logits(hidden.view(r, b, -1)[:, 1:], self.lm_head)  # [R, B-1, V]
         if self.check_finite and not torch.isfinite(logits.sum(dtype=torch.float32)):
             raise NonFiniteLogitsError(
                 f"drafter {self.info.name}: NaN/inf logits in a batch of {r} blocks"
             )
         return logits
+
+    def _propose_static(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        """Compiled propose: the new context padded to B rows (a longer one, the prompt,
+        appended eagerly first), the block right after the real rows, padded keys masked."""
+        b = self.block_size
+        if context_hidden.shape[0] > b:
+            head = context_hidden[:-b]
+            self._ensure(self.seen + head.shape[0])
+            self._seen_t.fill_(self.seen)
+            _append_context(self.model, head[None], self._seen_t, self._k, self._v)
+            self.seen += int(head.shape[0])
+            context_hidden = context_hidden[-b:]
+        t_new = int(context_hidden.shape[0])
+        end = self.seen + t_new
+        keys = kv_bucket(end + b)
+        self._ensure(keys)
+        self._context[0, :t_new] = context_hidden
+        self._context[0, t_new:] = 0
+        self._seen_t.fill_(self.seen)
+        self._block_start.fill_(end)
+        self._block[0, 0] = root_token
+        torch._dynamo.maybe_mark_dynamic(self._k, 3)
+        torch._dynamo.maybe_mark_dynamic(self._v, 3)
+        logits = self._compiled(
+            self.model,
+            self.embed_tokens,
+            self.lm_head,
+            self._context,
+            self._seen_t,
+            self._block,
+            self._block_start,
+            mark_key_dim(self._key_positions(keys)),
+            self._k,
+            self._v,
+            masked=True,
+        )
+        self.seen = end
+        return logits
+
+    def _ensure(self, needed: int) -> None:
+        """Grow the cache buffers (geometrically) to at least ``needed`` slots."""
+        have = self._k.shape[3]
+        if needed <= have:
+            return
+        size = max(needed, 2 * have)
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            grown = old.new_zeros(*old.shape[:3], size, old.shape[4])
+            grown[:, :, :, : self.seen] = old[:, :, :, : self.seen]
+            setattr(self, name, grown)
+
+    def _key_positions(self, n: int) -> torch.Tensor:
+        if self._arange.shape[0] < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)
+        return self._arange[:n]
 
     @classmethod
     def from_pretrained(
@@ -610,3 +711,48 @@ class DFlashDrafter:
         from ddtree.models.checkpoint import save_safetensors
 
         save_safetensors(path, self.model.state_dict(), self.config.to_dict())
+
+
+def _append_context(
+    model: DFlashModel,
+    context_hidden: torch.Tensor,  # [1, T, F] target hidden states of the new context rows
+    start: torch.Tensor,  # [] int64: their first slot (= position)
+    k_cache: torch.Tensor,  # [L, 1, kv_heads, capacity, D]
+    v_cache: torch.Tensor,
+) -> None:
+    """Write the context keys/values of T rows at slots ``start .. start+T-1``."""
+    slots = start + torch.arange(context_hidden.shape[1], device=context_hidden.device)
+    for layer, (k, v) in enumerate(model.context_kv(model.context(context_hidden), slots[None])):
+        k_cache[layer].index_copy_(2, slots, k)
+        v_cache[layer].index_copy_(2, slots, v)
+
+
+def _draft_step(
+    model: DFlashModel,
+    embed_tokens: nn.Module,
+    lm_head: nn.Module,
+    context_hidden: torch.Tensor,  # [1, T, F] new context rows (compiled: padded to B)
+    context_start: torch.Tensor,  # [] int64: slot of the first new context row (= seen)
+    block_ids: torch.Tensor,  # [1, B] int64: [root, MASK x (B-1)]
+    block_start: torch.Tensor,  # [] int64: the root's slot and position (seen + real rows)
+    key_positions: torch.Tensor,  # [K] int64: 0..K-1, the slots attended over
+    k_cache: torch.Tensor,  # [L, 1, kv_heads, capacity, D]
+    v_cache: torch.Tensor,
+    masked: bool,
+) -> torch.Tensor:
+    """One propose, eager or compiled: append the context rows, write the block's rows right
+    after the real ones (over any padding), attend over slots ``0..K-1`` (``masked``: keys
+    past the block hidden). Slot = position, so windowed/causal masks read the slots.
+    Returns logits [B-1, V]."""
+    _append_context(model, context_hidden, context_start, k_cache, v_cache)
+    b = block_ids.shape[1]
+    block_positions = (block_start + torch.arange(b, device=block_ids.device))[None]  # [1, B]
+    emb = embed_tokens(block_ids).to(k_cache.dtype) * model.config.input_embedding_scale
+    n_keys = key_positions.shape[0]
+    views = [
+        CacheView(k_cache[layer], v_cache[layer], block_positions[0], n_keys)
+        for layer in range(k_cache.shape[0])
+    ]
+    valid = (key_positions < block_start + b)[None, None, None] if masked else None  # [1,1,1,K]
+    hidden = model.block_hidden(emb, block_positions, views, key_positions[None], valid)
+    return model.logits(hidden[0, 1:], lm_head)

@@ -32,7 +32,8 @@ import torch
 from transformers import DynamicCache
 
 from ddtree.models.base import ModelInfo, NonFiniteLogitsError, TargetOutput
-from ddtree.tree.layout import VerifyLayout, compaction_indices, verify_layout
+from ddtree.models.static import EagerLayouts, EngineModeError, EnginePlan
+from ddtree.tree.layout import VerifyLayout, compaction_indices
 from ddtree.tree.types import DraftTree
 
 CACHE_KEYWORDS = ("cache", "past_key_values")  # newest first
@@ -85,6 +86,7 @@ class HFTarget:
         self.attn_implementation = getattr(model.config, "_attn_implementation", None)
         self.max_position = int(getattr(self.config, "max_position_embeddings", 0) or 0)
         self.capture_layers: tuple[int, ...] = ()
+        self._layouts = EagerLayouts(self.dtype, self.device)
         self.cache = self._new_cache()
         self._seq_len = 0
         self._pending = 0  # M of the last verify, awaiting commit
@@ -152,6 +154,23 @@ class HFTarget:
         self._seq_len = 0
         self._pending = 0
 
+    def set_engine_mode(self, plan: EnginePlan) -> float:
+        """Eager only: transformers' ``DynamicCache`` grows by concatenation every forward and
+        the tree commit re-slices it, so every step would have new shapes for a compiled graph
+        (and its ``StaticCache`` cannot keep a non-suffix subset of the rows)."""
+        if plan.mode != "eager":
+            raise EngineModeError(
+                f"engine mode {plan.mode!r} is not available for the transformers target "
+                f"{self.info.name!r} (impl hf, eager only); it is available for DeepSeek-V3 / "
+                f"Kimi-K2 configs on the MLA+MoE implementation: use --engine-mode eager"
+            )
+        self.reset()
+        self._layouts.reserve(plan)
+        return 0.0
+
+    def layout(self, tree: DraftTree) -> VerifyLayout:
+        return self._layouts.fill(tree, self._seq_len)
+
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
         assert input_ids.dim() == 1, input_ids.shape  # [T] int64
@@ -169,7 +188,7 @@ class HFTarget:
         self._drop_pending()
         m, start = tree.n_nodes, self._seq_len
         if layout is None:
-            layout = verify_layout(tree, start, self.dtype)
+            layout = self.layout(tree)
         positions, mask = layout.position_ids, layout.attn_mask
         assert positions.shape == (m,) and mask.shape == (1, 1, m, start + m), (
             positions.shape,

@@ -32,7 +32,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.base import ModelInfo, NonFiniteLogitsError, TargetOutput
-from ddtree.tree.layout import VerifyLayout, compaction_indices, verify_layout
+from ddtree.models.static import (
+    EagerLayouts,
+    EnginePlan,
+    StaticLayout,
+    StaticTree,
+    compile_forward,
+    kv_bucket,
+    mark_key_dim,
+    pick_bucket,
+    static_attention_mask,
+    timed,
+)
+from ddtree.tree.layout import VerifyLayout, compaction_indices
 from ddtree.tree.types import DraftTree
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -399,7 +411,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [M, H]; weights, ids [M, k]. Tokens sorted by expert; loop over touched experts."""
+        """x [M, H]; weights, ids [M, k] -> [M, H]. Eager: tokens sorted by expert, a loop over
+        the touched experts (data-dependent shapes); inside a compiled graph: a fixed-shape
+        dispatch (:meth:`forward_static`)."""
+        if torch.compiler.is_compiling():
+            return self.forward_static(x, weights, ids)
         k = ids.shape[1]
         flat_ids = ids.reshape(-1)  # [M*k]
         order = torch.argsort(flat_ids, stable=True)
@@ -417,6 +433,29 @@ class Experts(nn.Module):
             out.index_add_(0, tokens, y * slot_weight[begin : begin + count, None])
             begin += count
         return out
+
+    def forward_static(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Fixed-shape token-to-expert dispatch (no host sync, no data-dependent shapes), chosen
+        by the static width: fewer token-expert pairs than experts (e.g. M = 1) gathers the
+        chosen experts' weights per pair ([M*k, 2I, H]), reading only those; otherwise every
+        expert runs on every token and a [M, E] combine matrix (the routing weight, 0 where
+        not chosen) sums them, as a verify of M >= E/k tokens touches nearly all experts."""
+        m, k = ids.shape
+        n_experts = self.gate_up_proj.shape[0]
+        w = weights.to(x.dtype)  # [M, k]
+        if m * k < n_experts:
+            flat = ids.reshape(-1)  # [M*k]
+            xs = x.repeat_interleave(k, 0)[:, :, None]  # [M*k, H, 1]
+            gate, up = torch.bmm(self.gate_up_proj[flat], xs)[..., 0].chunk(2, dim=-1)
+            y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up)[:, :, None])[..., 0]
+            return (y.view(m, k, -1) * w[..., None]).sum(1)
+        combine = torch.zeros(m, n_experts, dtype=x.dtype, device=x.device)
+        combine = combine.scatter_add(1, ids, w)  # [M, E]
+        gate, up = torch.einsum("mh,eih->emi", x, self.gate_up_proj).chunk(2, dim=-1)
+        y = torch.einsum("emi,ehi->emh", F.silu(gate) * up, self.down_proj)  # [E, M, H]
+        return torch.einsum("emh,me->mh", y, combine)
 
 
 class MoE(nn.Module):
@@ -476,9 +515,9 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [M, H]
         rope: RotaryEmbedding,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,  # [M, S+M] additive
+        mask: torch.Tensor,  # [M, K] additive over cache slots 0..K-1
         cache_rows: torch.Tensor,  # [capacity, r + rope_dim] this layer's cache rows
-        start: int,  # S: committed rows before the new ones
+        slots: torch.Tensor,  # [M] int64: where the new rows go (provisionally)
     ) -> torch.Tensor:
         c = self.config
         m, nh = x.shape[0], self.heads
@@ -490,9 +529,9 @@ class Attention(nn.Module):
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_rope = rope.apply(q_rope, *cos_sin)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
-        cache_rows[start : start + m, : c.kv_lora_rank] = self.kv_a_layernorm(latent)
-        cache_rows[start : start + m, c.kv_lora_rank :] = rope.apply(k_rope, *cos_sin)
-        rows = cache_rows[: start + m]  # [S+M, r + rope_dim]
+        new = torch.cat([self.kv_a_layernorm(latent), rope.apply(k_rope, *cos_sin)], -1)
+        cache_rows.index_copy_(0, slots, new)  # in place, also inside a compiled graph
+        rows = cache_rows[: mask.shape[-1]]  # [K, r + rope_dim]
         if self.attn_impl == "absorbed":
             out = self._absorbed(q_nope, q_rope, rows, mask)
         else:
@@ -541,8 +580,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.reduce = shard.reduce or _no_reduce  # sums the ranks' partial sublayer outputs
 
-    def forward(self, x, rope, cos_sin, mask, cache_rows, start) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, cos_sin, mask, cache_rows, start)
+    def forward(self, x, rope, cos_sin, mask, cache_rows, slots) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, cos_sin, mask, cache_rows, slots)
         x = x + self.reduce(attn)
         return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
 
@@ -594,24 +633,27 @@ class MlaMoeModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [M] int64
         position_ids: torch.Tensor,  # [M] int64
-        attn_mask: torch.Tensor,  # [1, 1, M, S+M] additive float, S = cache.length
-        cache: LatentCache,
+        cache_slots: torch.Tensor,  # [M] int64: cache rows the new tokens are written to
+        attn_mask: torch.Tensor,  # [M, K] additive float over cache rows 0..K-1
+        cache_rows: torch.Tensor,  # [n_layers, capacity, r + rope_dim] (LatentCache.rows)
         capture_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
-        """Writes the M new rows after ``cache.length`` (provisionally; length unchanged)."""
-        m, start = input_ids.shape[0], cache.length
-        assert input_ids.dim() == 1 and position_ids.shape == (m,), (
+        """Writes the M new rows at ``cache_slots`` (provisionally: the caller owns the length),
+        then attends over rows ``0..K-1`` under ``attn_mask``. Eager and compiled modes both
+        run this; they differ only in the shapes they pass (see ``ddtree.models.static``)."""
+        m = input_ids.shape[0]
+        assert input_ids.dim() == 1 and position_ids.shape == (m,) and cache_slots.shape == (m,), (
             input_ids.shape,
             position_ids.shape,
+            cache_slots.shape,
         )
-        assert attn_mask.shape == (1, 1, m, start + m), (attn_mask.shape, m, start)
-        cache.ensure(start + m)
+        assert attn_mask.dim() == 2 and attn_mask.shape[0] == m, (attn_mask.shape, m)
         x = self.model.embed_tokens(input_ids)  # [M, H]
         cos_sin = self.model.rotary_emb.cos_sin(position_ids, x.dtype)
-        mask = attn_mask[0, 0].to(x.dtype)
+        mask = attn_mask.to(x.dtype)
         captured = {0: x} if 0 in capture_layers else {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, self.model.rotary_emb, cos_sin, mask, cache.rows[i], start)
+            x = layer(x, self.model.rotary_emb, cos_sin, mask, cache_rows[i], cache_slots)
             if i + 1 in capture_layers:
                 captured[i + 1] = x
         x = self.model.norm(x)
@@ -650,6 +692,14 @@ class MlaMoeTarget:
         capacity = min(capacity, self.config.max_position_embeddings)
         self.cache = LatentCache(self.config, capacity, self.dtype, self.device)
         self._pending = 0  # M of the last verify, awaiting commit
+        # engine mode (ddtree.models.static): the compiled forward and its static inputs
+        self.engine = EnginePlan()
+        self._layouts = EagerLayouts(self.dtype, self.device)
+        self._compiled = None
+        self._static: dict[int, StaticTree] = {}  # width bucket -> its preallocated inputs
+        self._warm: set[tuple[int, tuple[int, ...]]] = set()  # (width, capture layers) compiled
+        self._start = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._arange = torch.arange(capacity, device=self.device)
         c = self.config
         n_params = sum(p.numel() for p in model.parameters())
         self.info = ModelInfo(
@@ -709,27 +759,88 @@ class MlaMoeTarget:
         self._pending = 0
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
-        assert input_ids.dim() == 1, input_ids.shape  # [T] int64
-        t = int(input_ids.shape[0])
-        self._check_positions(self.seq_len + t, f"prompt of {t} tokens after {self.seq_len} cached")
-        mask = causal_mask(self.seq_len, t, self.dtype, self.device)
-        positions = torch.arange(self.seq_len, self.seq_len + t, device=self.device)
-        out = self._forward(input_ids, positions, mask)
-        self.cache.length += t
-        self._pending = 0
-        return out
+    def set_engine_mode(self, plan: EnginePlan) -> float:
+        """Run the next requests eagerly or compiled (``ddtree.models.static``). Compiled mode
+        compiles (warms up) each width bucket not compiled yet for the current capture layers
+        and reserves the cache for ``plan.max_len``; returns the seconds that took (0 when
+        nothing new compiled). Resets the cache."""
+        self.engine = plan
+        self.reset()
+        if plan.mode == "eager":
+            self._layouts.reserve(plan)
+            return 0.0
+        if self._compiled is None:
+            self._compiled = compile_forward(_verify_static, self.device)
+        self.cache.ensure(kv_bucket(plan.max_len + plan.widths[-1]))
+        compile_s = 0.0
+        for width in plan.widths:
+            static = self._static.setdefault(width, StaticTree(width, self.device))
+            if (width, self.capture_layers) not in self._warm:
+                compile_s += timed(lambda s=static: self._run_static(s, s.width, 0))
+                self._warm.add((width, self.capture_layers))
+        self.reset()
+        return compile_s
 
     @torch.inference_mode()
-    def verify(self, tree: DraftTree, layout: VerifyLayout | None = None) -> TargetOutput:
-        m = tree.n_nodes
-        if layout is None:
-            layout = verify_layout(tree, self.seq_len, self.dtype)
-        positions, mask = layout.position_ids, layout.attn_mask
-        self._check_positions(int(positions.max()) + 1, f"tree of depth {int(tree.depth.max())}")
-        out = self._forward(
-            tree.tokens.to(self.device), positions.to(self.device), mask.to(self.device)
+    def layout(self, tree: DraftTree) -> VerifyLayout | StaticLayout:
+        """What :meth:`verify` takes for ``tree`` (the engine times it as the layout stage):
+        eager, ``verify_layout`` into a buffer reused across steps; compiled, the tree copied
+        into its width bucket's preallocated inputs."""
+        if self.engine.mode == "compiled":
+            static = self._static[pick_bucket(tree.n_nodes, self.engine.widths)]
+            return StaticLayout(static, static.fill(tree.tokens, tree.depth, tree.visibility))
+        return self._layouts.fill(tree, self.seq_len)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
+        """Append T prompt tokens. Compiled mode runs them through the widest bucket's graph
+        in causal chunks (each chunk a chain tree, committed whole)."""
+        assert input_ids.dim() == 1, input_ids.shape  # [T] int64
+        t, start = int(input_ids.shape[0]), self.seq_len
+        self._check_positions(start + t, f"prompt of {t} tokens after {start} cached")
+        self._pending = 0
+        input_ids = input_ids.to(self.device)
+        if self.engine.mode == "eager":
+            mask = causal_mask(start, t, self.dtype, self.device)[0, 0]
+            slots = torch.arange(start, start + t, device=self.device)
+            out = self._forward(input_ids, slots, mask, slots)
+            self.cache.length += t
+            return out
+        static = self._static[self.engine.widths[-1]]
+        outs = []
+        for chunk in input_ids.split(static.width):
+            c = int(chunk.shape[0])
+            chain = torch.ones(c, c, dtype=torch.bool, device=self.device).tril()
+            static.fill(chunk, torch.arange(c, device=self.device), chain)
+            outs.append(self._run_static(static, c, self.seq_len))
+            self.cache.length += c
+        hidden = None if outs[0].hidden is None else torch.cat([o.hidden for o in outs])
+        return TargetOutput(logits=torch.cat([o.logits for o in outs]), hidden=hidden)
+
+    @torch.inference_mode()
+    def verify(
+        self, tree: DraftTree, layout: VerifyLayout | StaticLayout | None = None
+    ) -> TargetOutput:
+        m, start = tree.n_nodes, self.seq_len
+        self._check_positions(
+            start + int(tree.depth.max()) + 1, f"tree of depth {int(tree.depth.max())}"
         )
+        if layout is None:
+            layout = self.layout(tree)
+        if self.engine.mode == "compiled":
+            if not isinstance(layout, StaticLayout):
+                raise TypeError("compiled mode: pass target.layout(tree) (a StaticLayout)")
+            out = self._run_static(layout.static, layout.rows, start)
+        else:
+            mask = layout.attn_mask  # [1, 1, M, S+M]
+            assert mask.shape == (1, 1, m, start + m), (mask.shape, m, start)
+            slots = torch.arange(start, start + m, device=self.device)
+            out = self._forward(
+                tree.tokens.to(self.device),
+                layout.position_ids.to(self.device),
+                mask[0, 0].to(self.device),
+                slots=slots,
+            )
         self._pending = m
         return out
 
@@ -753,16 +864,64 @@ class MlaMoeTarget:
         if needed > limit:
             raise ValueError(f"{what} needs {needed} positions > max_position_embeddings={limit}")
 
-    def _forward(self, ids, positions, mask) -> TargetOutput:
-        out = self.model(ids, positions, mask, self.cache, self.capture_layers)
+    def _forward(self, ids, positions, mask, slots) -> TargetOutput:
+        """Eager forward of M tokens at exact shapes: mask [M, S+M], slots [M]."""
+        self.cache.ensure(int(mask.shape[-1]))
+        out = self.model(ids, positions, slots, mask, self.cache.rows, self.capture_layers)
+        return self._checked(out.logits, out.hidden, positions)
+
+    def _run_static(self, static: StaticTree, rows: int, start: int) -> TargetOutput:
+        """Compiled forward of one width bucket after ``start`` committed rows; the first
+        ``rows`` outputs are real, the padded ones are dropped here."""
+        keys = kv_bucket(start + static.width)
+        self.cache.ensure(keys)
+        torch._dynamo.maybe_mark_dynamic(self.cache.rows, 1)
+        self._start.fill_(start)
+        logits, hidden = self._compiled(
+            self.model,
+            static.tokens,
+            static.depth,
+            self._start,
+            static.visibility,
+            mark_key_dim(self._key_positions(keys)),
+            self.cache.rows,
+            self.capture_layers,
+        )
+        hidden = None if hidden is None else hidden[:rows]
+        return self._checked(logits[:rows], hidden, start + static.depth[:rows])
+
+    def _key_positions(self, n: int) -> torch.Tensor:
+        if self._arange.shape[0] < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)
+        return self._arange[:n]
+
+    def _checked(self, logits, hidden, positions) -> TargetOutput:
         # NaN/inf propagate into the sum (one cheap reduction instead of an elementwise test;
         # finite float32 logits cannot sum past float32's range at any real vocabulary size)
-        if self.check_finite and not torch.isfinite(out.logits.sum(dtype=torch.float32)):
+        if self.check_finite and not torch.isfinite(logits.sum(dtype=torch.float32)):
             raise NonFiniteLogitsError(
                 f"{self.info.name}: NaN/inf in logits at positions "
                 f"{int(positions.min())}..{int(positions.max())}"
             )
-        return TargetOutput(logits=out.logits, hidden=out.hidden)
+        return TargetOutput(logits=logits, hidden=hidden)
+
+
+def _verify_static(
+    model: MlaMoeModel,
+    tokens: torch.Tensor,  # [Mb] int64
+    depth: torch.Tensor,  # [Mb] int64
+    start: torch.Tensor,  # [] int64: committed rows S
+    visibility: torch.Tensor,  # [Mb, Mb] bool
+    key_positions: torch.Tensor,  # [K] int64, 0..K-1 (K dynamic)
+    cache_rows: torch.Tensor,  # [n_layers, capacity, r + rope_dim]
+    capture_layers: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The compiled verify/prefill graph: positions, cache slots and the [Mb, K] mask are
+    derived inside the graph from (S, depth, visibility), then the shared model forward."""
+    slots = start + torch.arange(tokens.shape[0], device=tokens.device)
+    mask = static_attention_mask(start, visibility, key_positions, cache_rows.dtype)
+    out = model(tokens, start + depth, slots, mask, cache_rows, capture_layers)
+    return out.logits, out.hidden
 
 
 def expected_shapes(

@@ -64,6 +64,7 @@ from ddtree.models.mla_moe import (
     build_model,
     expected_shapes,
 )
+from ddtree.models.static import EngineModeError, EnginePlan
 from ddtree.tree.layout import VerifyLayout, pack_bits, verify_layout
 from ddtree.tree.types import DraftTree
 
@@ -434,6 +435,8 @@ class ParallelTarget:
     ``close()`` releases the other ranks (also at interpreter exit).
     """
 
+    engine_modes = ("eager",)  # see set_engine_mode
+
     def __init__(self, local: MlaMoeTarget, group: Group, channel: Channel, spec, owns_group):
         self.local = local
         self.group = group
@@ -482,13 +485,27 @@ class ParallelTarget:
         self._send(Op.RESET)
         self.local.reset()
 
+    def set_engine_mode(self, plan: EnginePlan) -> float:
+        """Eager only: every layer all-reduces across processes, which the compiled graphs do
+        not capture here."""
+        if plan.mode != "eager":
+            raise EngineModeError(
+                f"engine mode {plan.mode!r} is not available for the parallel target "
+                f"(tp={self.group.world_size}); use --engine-mode eager"
+            )
+        self._send(Op.RESET)
+        return self.local.set_engine_mode(plan)
+
+    def layout(self, tree: DraftTree) -> VerifyLayout:
+        return self.local.layout(tree)
+
     def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
         self._send(Op.PREFILL, input_ids)
         return self.local.prefill(input_ids)
 
     def verify(self, tree: DraftTree, layout: VerifyLayout | None = None) -> TargetOutput:
         if layout is None:
-            layout = verify_layout(tree, self.seq_len, self.dtype)
+            layout = self.layout(tree)
         self._send(Op.VERIFY, encode_tree(tree, layout), arg=tree.n_nodes)
         return self.local.verify(tree, layout)
 

@@ -1,0 +1,188 @@
+"""Engine modes of the model forwards, and the static shapes the compiled mode runs on.
+
+- ``eager``: every forward runs op by op (PyTorch dispatch per kernel), at the exact shapes of
+  each step.
+- ``compiled``: the target's verify/prefill and the drafter's propose run through
+  ``torch.compile`` (inductor C++ on CPU; ``mode="reduce-overhead"``, i.e. CUDA graphs, on
+  CUDA) at a few static shapes, so each graph compiles once and is replayed every step:
+
+  - verify width ``M`` is padded up to the smallest *width bucket* ``Mb >= M`` (by default the
+    policy's own width, so nothing is padded in the common case). Padded rows carry a valid
+    token at the root's position and see only the prefix and themselves; their logits are
+    never read and their KV rows are never committed.
+  - the key length is the committed prefix rounded up to a multiple of ``kv_chunk``; it is the
+    one dynamic dimension of a graph (``mark_dynamic``), so a growing context never
+    recompiles. Keys past the prefix and the M new rows are masked out.
+  - KV caches are preallocated buffers written in place inside the graph (``index_copy_`` at
+    the new rows' slots); the attention mask is built inside the graph from the prefix length,
+    the key positions and the ``[Mb, Mb]`` tree visibility (never a per-step ``[M, S+M]``
+    tensor); MoE dispatch has a fixed shape (``ddtree.models.mla_moe.Experts``).
+
+The pure pieces (bucket choice, the in-graph mask) live here; each model keeps its own
+forward, shared by both modes. Compile time is measured by the warm-up that
+``set_engine_mode`` runs, one call per width bucket, and is reported apart from step times.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.tree.layout import LayoutBuffer, VerifyLayout, verify_layout
+from ddtree.tree.types import DraftTree
+
+ENGINE_MODES = ("eager", "compiled")
+# Key-length granularity of the compiled graphs: the prefix is rounded up to a multiple of this
+# (the dimension is dynamic, so this bounds the masked-out keys and, on CUDA, the number of
+# graph recordings).
+KV_CHUNK = 64
+
+
+class EngineModeError(ValueError):
+    """An engine mode a model cannot run (e.g. ``compiled`` on the transformers wrapper)."""
+
+
+def check_engine_mode(mode: str) -> str:
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"engine_mode {mode!r}: expected one of {', '.join(ENGINE_MODES)}")
+    return mode
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What the decode loop tells a model before a request."""
+
+    mode: str = "eager"
+    widths: tuple[int, ...] = ()  # verify width buckets (compiled; sorted, distinct)
+    max_len: int = 0  # positions the request may reach (prompt + new tokens + block)
+
+    def __post_init__(self) -> None:
+        check_engine_mode(self.mode)
+        if any(w < 1 for w in self.widths):
+            raise ValueError(f"width buckets must be >= 1, got {list(self.widths)}")
+        object.__setattr__(self, "widths", tuple(sorted(set(self.widths))))
+        if self.mode == "compiled" and not self.widths:
+            raise ValueError("compiled mode needs at least one width bucket")
+
+
+def pick_bucket(width: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= ``width``. Example: width 5, buckets (1, 9, 33) -> 9."""
+    for b in buckets:
+        if b >= width:
+            return b
+    raise ValueError(
+        f"verify width {width} exceeds the largest width bucket {max(buckets)} "
+        f"(buckets {list(buckets)}): add a bucket of at least {width}"
+    )
+
+
+def kv_bucket(length: int, chunk: int = KV_CHUNK) -> int:
+    """Keys a compiled forward attends over for ``length`` needed rows: ``length`` rounded up
+    to a multiple of ``chunk``, at least one chunk. Example: 130 rows, chunk 64 -> 192."""
+    return max(chunk, -(-length // chunk) * chunk)
+
+
+def static_attention_mask(
+    start: torch.Tensor,  # [] int64: committed prefix length S
+    visibility: torch.Tensor,  # [Mb, Mb] bool: the (padded) tree's ancestor-or-self relation
+    key_positions: torch.Tensor,  # [K] int64: 0 .. K-1, the cache slots attended over
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[Mb, K] additive mask for Mb new rows written at slots ``S .. S+Mb-1``: every row sees
+    the prefix ``< S``, new slot ``S + j`` when ``visibility[i, j]``, nothing past ``S + Mb``.
+
+    Worked example: S = 2, K = 5, visibility [[1, 0], [1, 1]] -> visible columns
+    row 0: {0, 1, 2}, row 1: {0, 1, 2, 3}; column 4 (past the new rows) is hidden.
+    Runs inside the compiled graph (no host work, no data-dependent shapes).
+    """
+    mb = visibility.shape[0]
+    rel = key_positions - start  # [K]: the new-row index of each key slot
+    in_tree = (rel >= 0) & (rel < mb)
+    tree_cols = visibility[:, rel.clamp(0, mb - 1)] & in_tree  # [Mb, K]
+    visible = (rel < 0) | tree_cols
+    zero = torch.zeros((), dtype=dtype, device=visibility.device)
+    hidden = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=visibility.device)
+    return torch.where(visible, zero, hidden)
+
+
+class StaticTree:
+    """Preallocated per-step inputs of one width bucket ``Mb``: the padded tree's tokens,
+    depths and visibility, refilled in place every step."""
+
+    def __init__(self, width: int, device: torch.device) -> None:
+        self.width = width
+        self.tokens = torch.zeros(width, dtype=torch.int64, device=device)  # [Mb]
+        self.depth = torch.zeros(width, dtype=torch.int64, device=device)  # [Mb]
+        self._eye = torch.eye(width, dtype=torch.bool, device=device)  # [Mb, Mb]
+        self.visibility = self._eye.clone()  # [Mb, Mb] bool
+
+    def fill(self, tokens: torch.Tensor, depth: torch.Tensor, visibility: torch.Tensor) -> int:
+        """Copy a tree of M <= Mb nodes (tokens/depth [M], visibility [M, M]); padded rows get
+        the root's token at depth 0 and see only themselves among the new rows. Returns M."""
+        m = int(tokens.shape[0])
+        if m > self.width:
+            raise ValueError(f"{m} rows do not fit the width bucket {self.width}")
+        self.tokens[:m] = tokens
+        self.tokens[m:] = tokens[0]
+        self.depth[:m] = depth
+        self.depth[m:] = 0
+        self.visibility.copy_(self._eye)
+        self.visibility[:m, :m] = visibility
+        return m
+
+
+@dataclass
+class StaticLayout:
+    """A compiled verify's layout: the width bucket's inputs, filled with ``rows`` real rows."""
+
+    static: StaticTree
+    rows: int  # M: the tree's nodes; rows M..Mb-1 are padding
+
+
+class EagerLayouts:
+    """Eager verify layouts (``verify_layout``) filled into one ``LayoutBuffer`` sized for a
+    request by :meth:`reserve`: no per-step allocation of the [M, S+M] mask. A tree that does
+    not fit (a direct call outside a planned request) gets a layout of its own."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.buffer: LayoutBuffer | None = None
+
+    def reserve(self, plan: EnginePlan) -> None:
+        rows = max(plan.widths, default=1)
+        cols = plan.max_len + rows
+        if self.buffer is None or self.buffer.rows < rows or self.buffer.cols < cols:
+            self.buffer = LayoutBuffer(rows, cols, self.dtype, self.device)
+
+    def fill(self, tree: DraftTree, start: int) -> VerifyLayout:
+        m, buffer = tree.n_nodes, self.buffer
+        if buffer is None or m > buffer.rows or start + m > buffer.cols:
+            return verify_layout(tree, start, self.dtype)
+        return verify_layout(tree, start, self.dtype, out=buffer)
+
+
+def compile_forward(fn: Callable, device: torch.device) -> Callable:
+    """``torch.compile`` as the compiled engine mode uses it: the whole forward as one graph
+    (``fullgraph``: a graph break is a bug, not a slowdown), static shapes except the marked
+    key dimension, CUDA graphs on CUDA."""
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+
+
+def mark_key_dim(key_positions: torch.Tensor) -> torch.Tensor:
+    """Mark dim 0 of the key positions dynamic, so the growing prefix reuses one graph."""
+    torch._dynamo.maybe_mark_dynamic(key_positions, 0)
+    return key_positions
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` took (synchronising CUDA): the compile-time figure of a warm-up."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
