@@ -45,7 +45,7 @@ def test_generate_streams_the_ar_completion(target_dir, tmp_path, capsys):
     out = capsys.readouterr()
     words = out.out.split()
     assert words[:3] == ["w1", "w2", "w3"] and len(words) >= 3 + 6 - 1  # <unk> decodes to nothing
-    assert "[ar] 6 tokens" in out.err
+    assert "[ar, eager] 6 tokens" in out.err
 
 
 def test_bench_engine_writes_one_valid_record_per_config(target_dir, tmp_path, capsys):
@@ -73,6 +73,34 @@ def test_commands_report_bad_input_without_a_traceback(target_dir, tmp_path, cap
         main(["generate", "--target", str(target_dir), "--prompt", "w1"])
 
 
+def test_compiled_mode_is_refused_up_front_for_a_transformers_target(target_dir, capsys):
+    argv = ["generate", "--target", str(target_dir), "--impl", "hf", "--policy", "ar"]
+    with pytest.raises(SystemExit, match=r"engine mode 'compiled' is not available .*hf"):
+        main(argv + ["--prompt", "w1", "--engine-mode", "compiled"])
+    argv = ["bench", "engine", "--target", str(target_dir), "--impl", "hf", "--policies", "ar"]
+    with pytest.raises(SystemExit, match=r"engine mode 'compiled' is not available"):
+        main(argv + ["--engine-modes", "eager,compiled"])
+    with pytest.raises(SystemExit):
+        main(argv + ["--engine-modes", "eager,graphs"])
+    assert "expected a comma-separated subset of eager,compiled" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_engine_sweeps_engine_modes_and_records_them(target_dir, tmp_path, capsys):
+    records = tmp_path / "modes.jsonl"
+    argv = ["bench", "engine", "--target", str(target_dir), "--policies", "ar"]
+    argv += ["--prompts", str(target_dir / "prompts.json"), "--max-new-tokens", "6"]
+    argv += ["--records", str(records), "--engine-modes", "eager,compiled", "--buckets", "9"]
+    assert main(argv) == 0
+    eager, compiled = read_records(records)
+    assert (eager.config["engine_mode"], compiled.config["engine_mode"]) == ("eager", "compiled")
+    assert compiled.config["width_buckets"] == [9] and eager.config["width_buckets"] == []
+    assert eager.summary["compile_s"] == 0 and compiled.summary["compile_s"] > 0
+    assert compiled.summary["new_tokens"] == eager.summary["new_tokens"] == 18
+    out = capsys.readouterr().out
+    assert "compile time (warm-up, not in any step)" in out and "compiled" in out
+
+
 def test_demo_on_the_bundled_pair_is_lossless_and_writes_records(tmp_path, capsys):
     from ddtree.commands._decode import DEMO_DIR
 
@@ -80,6 +108,7 @@ def test_demo_on_the_bundled_pair_is_lossless_and_writes_records(tmp_path, capsy
         pytest.skip("demo pair not bundled")
     records = tmp_path / "demo.jsonl"
     argv = ["demo", "--n-prompts", "1", "--max-new-tokens", "12", "--threads", "1"]
+    argv += ["--engine-modes", "eager"]  # compiled: tests/engine/test_compiled.py, slow tests
     assert main(argv + ["--records", str(records), "--show", "1"]) == 0
     out = capsys.readouterr().out
     assert "same as AR" in out and "NO" not in out

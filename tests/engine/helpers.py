@@ -57,6 +57,8 @@ class ScriptedDrafter:
     output): at each position the true token is ranked first with probability ``hit``, else
     second or third or not at all, so trees have to branch to recover it."""
 
+    engine_modes = ("eager", "compiled")  # nothing to compile: the same in both
+
     def __init__(self, script: list[int], vocab_size: int, block_size: int, hit=0.6, seed=0):
         self.script, self.vocab_size, self.block_size = script, vocab_size, block_size
         self.hit, self.seed = hit, seed

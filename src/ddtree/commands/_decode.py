@@ -10,6 +10,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from ddtree.commands._args import (
+    int_list,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -17,6 +18,7 @@ from ddtree.commands._args import (
     seed,
     threads,
 )
+from ddtree.records import EngineMode
 
 DEMO_DIR = Path(str(files("ddtree") / "assets" / "demo"))
 DTYPES = ("float32", "bfloat16", "float16")
@@ -69,6 +71,38 @@ def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
     p.add_argument("--top-p", type=probability, default=1.0, help="sampling top-p (1: off)")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
+    p.add_argument(
+        "--buckets",
+        type=int_list,
+        default=[],
+        help="compiled mode: verify width buckets, e.g. 1,16,64 (default: each policy's width "
+        "M, nothing padded; the widest also sets the prefill chunk)",
+    )
+
+
+def engine_modes(text: str) -> list[str]:
+    """ "eager,compiled" -> ["eager", "compiled"] (argparse type)."""
+    modes = [m for m in text.split(",") if m]
+    known = [mode.value for mode in EngineMode]
+    bad = [m for m in modes if m not in known]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(
+            f"engine modes {text!r}: expected a comma-separated subset of {','.join(known)}"
+        )
+    return modes
+
+
+def check_engine_modes(models: LoadedModels, modes: list[str]) -> None:
+    """Refuse, before decoding anything, an engine mode the loaded models cannot run."""
+    for model in (models.target, models.drafter):
+        bad = [m for m in modes if model is not None and m not in model.engine_modes]
+        if bad:
+            raise SystemExit(
+                f"error: engine mode {bad[0]!r} is not available for {model.info.name} "
+                f"(implementation {model.info.implementation}, runs: "
+                f"{', '.join(model.engine_modes)}); compiled mode runs the MLA+MoE target "
+                f"(DeepSeek-V3 / Kimi-K2 configs) and the DFlash drafter"
+            )
 
 
 def decode_config(args: argparse.Namespace, policy: str, budget: int | None = None, **extra):
@@ -84,6 +118,7 @@ def decode_config(args: argparse.Namespace, policy: str, budget: int | None = No
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        buckets=tuple(args.buckets),
         **extra,
     )
 
@@ -173,22 +208,23 @@ def summary_tables(points, title: str):
     from ddtree.records import STEP_STAGES
 
     ratio = speedups(points)
-    head = Table(title=title)
-    for col in ("policy", "B", "N", "mean tau", "tok/s", "vs AR", "same as AR", "step ms"):
-        head.add_column(col, justify="left" if col == "policy" else "right")
+    head = Table(title=title, caption="vs AR, same as AR: against AR in the same engine mode")
+    for col in ("mode", "policy", "B", "N", "mean tau", "tok/s", "vs AR", "same as AR", "step ms"):
+        head.add_column(col, justify="left" if col in ("mode", "policy") else "right")
     stages = Table(
         title="ms per step by stage (ovhd: share of the step outside draft and verify forwards)",
         box=box.SIMPLE_HEAD,
         padding=(0, 0, 0, 1),
     )
-    for col in ("policy", "N", *STEP_STAGES, "ovhd"):
-        stages.add_column(col, justify="left" if col == "policy" else "right")
+    for col in ("mode", "policy", "N", *STEP_STAGES, "ovhd"):
+        stages.add_column(col, justify="left" if col in ("mode", "policy") else "right")
     for i, p in enumerate(points):
         s, c = p.summary, p.config
         same = {None: "-", True: "yes", False: "NO"}[p.identical_to_ar]
         block = "-" if c.policy == "ar" else str(c.block_size)
         budget = {"ar": "0", "chain": str(c.block_size - 1)}.get(c.policy, str(c.budget))
         head.add_row(
+            c.engine_mode,
             c.policy,
             block,
             budget,
@@ -199,5 +235,7 @@ def summary_tables(points, title: str):
             f"{s['step_s_mean'] * 1e3:.2f}",
         )
         stage_ms = [f"{s['stage_s_mean'][k] * 1e3:.2f}" for k in STEP_STAGES]
-        stages.add_row(c.policy, budget, *stage_ms, f"{s['overhead_fraction'] * 100:.0f}%")
+        stages.add_row(
+            c.engine_mode, c.policy, budget, *stage_ms, f"{s['overhead_fraction'] * 100:.0f}%"
+        )
     return head, stages

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ddtree.commands._args import non_negative_int, output_file, positive_int
 from ddtree.commands._decode import add_decode_arguments, add_model_arguments
+from ddtree.commands.bench_engine import add_engine_modes_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--show", type=non_negative_int, default=2, help="print the DDTree text of this many"
     )
+    add_engine_modes_argument(p, default="eager,compiled")
     add_decode_arguments(p, max_new_tokens=96)
     # The demo's models are tiny: one thread is fastest, and two OpenMP threads spinning on a
     # shared 2-core machine made AR steps 10x slower in our runs (a fake 10x "speedup").
@@ -31,7 +33,11 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.commands._decode import decode_config, set_threads
     from ddtree.commands.bench_engine import run_sweep
 
-    configs = [decode_config(args, policy) for policy in ("ar", "chain", "ddtree")]
+    configs = [
+        decode_config(args, policy, engine_mode=mode)
+        for mode in args.engine_modes
+        for policy in ("ar", "chain", "ddtree")
+    ]
     title = (
         f"ddtree demo: bundled MLA+MoE target + DFlash drafter, {args.n_prompts} held-out prompts, "
         f"{args.max_new_tokens} new tokens ({args.device}, {set_threads(args)} threads)"

@@ -9,9 +9,11 @@ from ddtree.commands._args import output_file
 from ddtree.commands._decode import (
     add_decode_arguments,
     add_model_arguments,
+    check_engine_modes,
     decode_config,
     load_models,
 )
+from ddtree.records import EngineMode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=output_file,
         help="append an engine_run measurement record to this JSONL file",
     )
+    p.add_argument(
+        "--engine-mode",
+        default="eager",
+        choices=[m.value for m in EngineMode],
+        help="eager, or compiled (torch.compile at static shapes: compiles first, then faster "
+        "steps; MLA+MoE targets) (default: %(default)s)",
+    )
     add_decode_arguments(p, max_new_tokens=128)
 
 
@@ -32,8 +41,11 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.engine import generate
     from ddtree.engine.stop import IncrementalText
 
-    config = decode_config(args, args.policy, stop_strings=tuple(args.stop))
+    config = decode_config(
+        args, args.policy, stop_strings=tuple(args.stop), engine_mode=args.engine_mode
+    )
     models = load_models(args, need_drafter=args.policy != "ar", default_demo=True)
+    check_engine_modes(models, [args.engine_mode])
     codec = models.codec
     prompt_ids = codec.encode(args.prompt)
     # print what each step adds, decoded incrementally after the prompt's tokens, so pieces
@@ -68,9 +80,11 @@ def run(args: argparse.Namespace) -> int:
     if args.stats:
         steps = len(result.steps)
         tok_s = sum(result.taus) / result.decode_s if result.decode_s else 0.0
+        compiled = f", compile {result.compile_s:.1f} s" if args.engine_mode != "eager" else ""
         print(
-            f"[{args.policy}] {len(result.tokens)} tokens, {steps} steps, mean tau "
-            f"{result.mean_tau:.2f}, {tok_s:.1f} tok/s, stop: {result.stop_reason}",
+            f"[{args.policy}, {args.engine_mode}] {len(result.tokens)} tokens, {steps} steps, "
+            f"mean tau {result.mean_tau:.2f}, {tok_s:.1f} tok/s, stop: {result.stop_reason}"
+            f"{compiled}",
             file=sys.stderr,
         )
     return 0

@@ -146,7 +146,7 @@ def generate(
     use_drafter = drafter is not None and policy.needs_drafter
     target.set_capture_layers(list(drafter.target_layer_ids) if use_drafter else [])
     plan = EnginePlan(config.engine_mode, config.width_buckets(), max_len)
-    compile_s = target.set_engine_mode(plan)  # resets the cache
+    compile_s = target.set_engine_mode(plan)  # resets the cache; EngineModeError if unsupported
     if use_drafter:
         compile_s += drafter.set_engine_mode(plan)
 

@@ -20,7 +20,8 @@ class SweepPoint:
     config: DecodeConfig
     results: list[GenerationResult]  # one per prompt, in prompt order
     summary: dict  # ``summarize(results)``: mean_tau, tokens_per_s, stage_s_mean, ...
-    identical_to_ar: bool | None  # greedy output equals the AR run's; None without AR / sampled
+    # greedy output equals the AR run's in the same engine mode; None without AR / sampled
+    identical_to_ar: bool | None
 
 
 def sweep(
@@ -33,38 +34,44 @@ def sweep(
     warmup_tokens: int = 8,
 ) -> list[SweepPoint]:
     """Decode every prompt under every config. ``on_result(config, prompt_index)`` is called
-    after each generation (for progress bars). A short untimed warm-up per config first."""
+    after each generation (for progress bars). A short untimed warm-up per config first; in
+    compiled mode it compiles the config's graphs, and ``summary["compile_s"]`` says how long
+    that took (never part of a step)."""
     if not prompts:
         raise ValueError("no prompts to decode")
     points = []
     for config in configs:
         model = drafter if config.policy != "ar" else None
         warm = replace(config, max_new_tokens=min(warmup_tokens, config.max_new_tokens))
-        generate(target, model, prompts[0], warm, tokenizer)
+        compile_s = generate(target, model, prompts[0], warm, tokenizer).compile_s
         results = []
         for i, prompt in enumerate(prompts):
             results.append(generate(target, model, prompt, config, tokenizer))
             if on_result is not None:
                 on_result(config, i)
-        points.append(SweepPoint(config, results, summarize(results), None))
+        summary = summarize(results)
+        summary["compile_s"] = compile_s + sum(r.compile_s for r in results)
+        points.append(SweepPoint(config, results, summary, None))
     _compare_with_ar(points)
     return points
 
 
 def _compare_with_ar(points: list[SweepPoint]) -> None:
-    """Greedy points get ``identical_to_ar`` from an AR point with the same stop settings."""
+    """Greedy points get ``identical_to_ar`` from an AR point with the same stop settings and
+    engine mode."""
     for point in points:
         c = point.config
         if not c.greedy:
             continue
         for ar in points:
             a = ar.config
-            same_stops = (a.max_new_tokens, a.stop_strings, a.eos_token_ids) == (
+            comparable = (a.max_new_tokens, a.stop_strings, a.eos_token_ids, a.engine_mode) == (
                 c.max_new_tokens,
                 c.stop_strings,
                 c.eos_token_ids,
+                c.engine_mode,
             )
-            if a.policy == "ar" and a.greedy and same_stops:
+            if a.policy == "ar" and a.greedy and comparable:
                 point.identical_to_ar = all(
                     r.tokens == b.tokens for r, b in zip(point.results, ar.results, strict=True)
                 )
@@ -72,6 +79,15 @@ def _compare_with_ar(points: list[SweepPoint]) -> None:
 
 
 def speedups(points: Sequence[SweepPoint]) -> dict[int, float | None]:
-    """tokens/s of each point over the first AR point's (index -> ratio, None without AR)."""
-    base = next((p.summary["tokens_per_s"] for p in points if p.config.policy == "ar"), None)
-    return {i: (p.summary["tokens_per_s"] / base if base else None) for i, p in enumerate(points)}
+    """tokens/s of each point over the first AR point's in the same engine mode (DESIGN.md:
+    speedup vs AR is on the same hardware and engine mode); index -> ratio, None without."""
+    base: dict[str, float] = {}
+    for p in points:
+        if p.config.policy == "ar":
+            base.setdefault(p.config.engine_mode, p.summary["tokens_per_s"])
+    return {
+        i: (p.summary["tokens_per_s"] / base[p.config.engine_mode])
+        if p.config.engine_mode in base
+        else None
+        for i, p in enumerate(points)
+    }

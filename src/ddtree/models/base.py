@@ -56,6 +56,7 @@ class TargetOutput:
 class Target(Protocol):
     info: ModelInfo
     seq_len: int  # committed tokens in the KV cache
+    engine_modes: tuple[str, ...]  # the engine modes it runs (ddtree.records.EngineMode values)
 
     def set_capture_layers(self, layer_ids: list[int]) -> None:
         """Hidden states to return with every forward (HF ``hidden_states`` indexing: 0 is the
@@ -89,6 +90,7 @@ class Target(Protocol):
 @runtime_checkable
 class Drafter(Protocol):
     info: ModelInfo
+    engine_modes: tuple[str, ...]
     block_size: int  # B: one root slot + B-1 mask slots
     target_layer_ids: list[int]  # which target hidden states it conditions on (HF indexing)
 

@@ -38,7 +38,14 @@ from torch import nn
 
 from ddtree.models.base import ModelInfo, NonFiniteLogitsError
 from ddtree.models.mla_moe import RMSNorm  # the same float32-accumulating norm
-from ddtree.models.static import EnginePlan, compile_forward, kv_bucket, mark_key_dim, timed
+from ddtree.models.static import (
+    ENGINE_MODES,
+    EnginePlan,
+    compile_forward,
+    kv_bucket,
+    mark_key_dim,
+    timed,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -445,6 +452,8 @@ class DFlashDrafter:
     :class:`NonFiniteLogitsError`. Engine modes as the target's (``ddtree.models.static``):
     compiled mode pads the new context to ``B`` rows (a longer first context is appended
     eagerly first) and masks the padded keys."""
+
+    engine_modes = ENGINE_MODES
 
     def __init__(
         self,

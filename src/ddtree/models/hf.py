@@ -76,6 +76,8 @@ def _eos_ids(model) -> tuple[int, ...]:
 class HFTarget:
     """The ``Target`` protocol over a transformers ``*ForCausalLM`` with a ``DynamicCache``."""
 
+    engine_modes = ("eager",)  # see set_engine_mode
+
     def __init__(self, model, name: str | None = None, check_finite: bool = True) -> None:
         self.model = model.eval()
         self.config = model.config.get_text_config()

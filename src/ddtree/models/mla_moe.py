@@ -33,6 +33,7 @@ from torch import nn
 
 from ddtree.models.base import ModelInfo, NonFiniteLogitsError, TargetOutput
 from ddtree.models.static import (
+    ENGINE_MODES,
     EagerLayouts,
     EnginePlan,
     StaticLayout,
@@ -675,6 +676,8 @@ def causal_mask(start: int, m: int, dtype: torch.dtype, device=None) -> torch.Te
 
 class MlaMoeTarget:
     """The ``Target`` protocol over :class:`MlaMoeModel` with a latent KV cache (batch of 1)."""
+
+    engine_modes = ENGINE_MODES
 
     def __init__(
         self,

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.records import EngineMode
 from ddtree.tree.layout import LayoutBuffer, VerifyLayout, verify_layout
 from ddtree.tree.types import DraftTree
 
-ENGINE_MODES = ("eager", "compiled")
+ENGINE_MODES = tuple(m.value for m in EngineMode)  # "eager", "compiled" (DESIGN.md vocabulary)
 # Key-length granularity of the compiled graphs: the prefix is rounded up to a multiple of this
 # (the dimension is dynamic, so this bounds the masked-out keys and, on CUDA, the number of
 # graph recordings).
