@@ -214,7 +214,24 @@ CHECKPOINT_CASES = [
     Case("records-output-is-a-folder", f"{AR} --target {{w}}/target --records {{w}}/work", ("--records", "folder")),
 ]  # fmt: skip
 
-CASES = FLAG_CASES + SCENARIO_CASES + RECORDS_CASES + CHECKPOINT_CASES
+# ---- the replay, diagnose and all-reduce commands ------------------------------------------
+
+RUNS = "{w}/records/bandwidth.jsonl"
+OTHER_CASES = [
+    Case("replay-tau-missing-trace", "replay tau {w}/nowhere.safetensors", ("nowhere.safetensors", "no such trace")),
+    Case("replay-tau-records-as-trace", f"replay tau {RUNS}", ("bandwidth.jsonl", "safetensors")),
+    Case("replay-check-scenario-as-trace", "replay check {w}/scenarios/rate-zero.toml", ("rate-zero.toml", "safetensors")),
+    _flag("replay record", "--top-k", "0", INT1),
+    _flag("replay record", "--out", "{w}/work", "folder"),
+    Case("diagnose-missing-records", "diagnose {w}/nowhere.jsonl {w}/nowhere.jsonl", ("nowhere.jsonl", "no such")),
+    _flag(f"diagnose {RUNS} {RUNS}", "--budget", "-1", INT0),
+    _flag("bench allreduce", "--tp", "1", "expected an integer >= 2"),
+    _flag("bench allreduce", "--repeats", "-1", INT1),
+    _flag("bench allreduce", "--records", "{w}/work", "folder"),
+    Case("estimate-validate-missing", "estimate --validate {w}/nowhere", ("nowhere", "no such")),
+]  # fmt: skip
+
+CASES = FLAG_CASES + SCENARIO_CASES + RECORDS_CASES + CHECKPOINT_CASES + OTHER_CASES
 
 
 def _edit_config(src: Path, dst: Path, **changes) -> None:

@@ -7,7 +7,14 @@ import argparse
 import json
 import math
 
-from ddtree.commands._args import int_in, int_list, non_negative_int, positive_float, positive_int
+from ddtree.commands._args import (
+    int_in,
+    int_list,
+    non_negative_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_TIMEOUT_S,
         help="seconds one collective may take before the group fails (default: %(default)s)",
     )
-    p.add_argument("--records", help="append a bench_allreduce record to this JSONL file")
+    p.add_argument(
+        "--records", type=output_file, help="append a bench_allreduce record to this JSONL file"
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
