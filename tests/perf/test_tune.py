@@ -151,8 +151,10 @@ def test_held_out_compares_predictions_with_measured_runs(tmp_path):
     ]
     assert check.mape == pytest.approx((abs(118 / 130 - 1) + abs(90 / 80 - 1)) / 2)
     assert check.measured_best == 16 and check.best_in_flat
+    assert check.predicted_best == 8 and check.measured_share_of_best == pytest.approx(125 / 130)
 
 
+@pytest.mark.slow
 def test_tune_command_json_and_report(tmp_path, acc_file, capsys):
     argv = ["tune", str(scenario(tmp_path, "tau = 3.0")), "--acceptance", str(acc_file)]
     argv += ["--hardware", "b300", "--samples", "300", "--json", "--report", str(tmp_path / "r")]

@@ -41,13 +41,14 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.replay.simulate import replay_points
     from ddtree.replay.stats import acceptance_record, replay_sweep
     from ddtree.replay.trace import check_folders, load_trace
+    from ddtree.tree import backend
 
     console = Console(stderr=True)
     trace = load_trace(args.trace)
     check_folders(trace.header, str(args.trace), args.target, args.drafter)
     policies = [x for x in args.policies.split(",") if x]
     points = replay_points(trace, policies, args.budgets)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     with Progress(console=console, transient=True) as progress:
         n_policies = len({p for p, _ in points})
         task = progress.add_task("replaying", total=n_policies * len(trace.header.prompts))
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, advance=1, description=f"{policy} prompt {i + 1}")
 
         summaries = replay_sweep(trace, policies, args.budgets, advance)
-    replay_s = time.perf_counter() - start
+    replay_s, replay_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
     h = trace.header
     records = [acceptance_record(s, h, str(args.trace)) for s in summaries]
     path = args.records or Path("runs") / f"acceptance-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
@@ -68,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
             "block_size": h.block_size,
             "top_k": h.top_k,
             "replay_s": replay_s,
+            "replay_cpu_s": replay_cpu_s,
+            "tree_backend": backend(),
             "records": str(path),
             "points": [dataclasses.asdict(s) for s in summaries],
         }
@@ -84,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
             "(record with a larger --top-k)[/yellow]"
         )
     console.print(
-        f"replayed {len(summaries)} points x {len(h.prompts)} prompts in {replay_s:.2f} s; "
-        f"wrote {len(records)} acceptance records to {path}"
+        f"replayed {len(summaries)} points x {len(h.prompts)} prompts in {replay_s:.2f} s "
+        f"({replay_cpu_s:.2f} s CPU; tree backend {backend()}; measured); wrote "
+        f"{len(records)} acceptance records to {path}"
     )
     return 0
 

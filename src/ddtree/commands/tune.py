@@ -132,11 +132,18 @@ def held_out_text(check):
             f"{r.measured_tau:.3f} / {r.replayed_tau:.3f}",
         )
     verdict = "inside" if check.best_in_flat else "OUTSIDE"
+    share = check.measured_share_of_best
+    follow = (
+        ""
+        if share is None
+        else f"; the predicted best N={check.predicted_best} measured {share:.1%} of the "
+        "measured best's tokens/s"
+    )
     return [
         table,
         f"MAPE {check.mape:.1%} over {len(check.rows)} held-out runs [measured vs derived]; the "
         f"measured best ddtree budget N={check.measured_best} is {verdict} the predicted flat "
-        f"region {check.predicted_flat}",
+        f"region {check.predicted_flat}{follow}",
     ]
 
 
@@ -175,6 +182,8 @@ def to_json(curves, check, trace: str) -> dict:
             "measured_best_budget": check.measured_best,
             "predicted_flat_budgets": check.predicted_flat,
             "best_in_flat": check.best_in_flat,
+            "predicted_best_budget": check.predicted_best,
+            "measured_share_of_best": check.measured_share_of_best,
             "rows": [
                 {
                     "policy": str(r.policy),
@@ -235,7 +244,8 @@ def write_report(curves, check, out: Path) -> list[Path]:
         md += ["", f"Best N = {c.best.budget}; within 5%: {c.flat}. {c.why}.", ""]
     if check is not None:
         md += [f"Held-out check on {check.hardware}: MAPE {check.mape:.1%}; measured best "
-               f"N={check.measured_best}, predicted flat region {check.predicted_flat}.", ""]  # fmt: skip
+               f"N={check.measured_best}, predicted best N={check.predicted_best}, flat region "
+               f"{check.predicted_flat}.", ""]  # fmt: skip
     report = out / "tune.md"
     report.write_text("\n".join(md))
     return [png, report]

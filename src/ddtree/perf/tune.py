@@ -80,6 +80,10 @@ class HeldOut:
     rows: list[HeldOutRow]
     measured_best: int | None  # the ddtree budget with the highest measured tokens/s
     predicted_flat: list[int]
+    predicted_best: int | None
+    # measured tokens/s at the predicted best budget over the measured best's: what
+    # following the tuner costs (1.0: nothing)
+    measured_share_of_best: float | None
 
     @property
     def mape(self) -> float:
@@ -205,7 +209,12 @@ def held_out(
                 HeldOutRow(a.point.policy, a.point.budget, a.tokens_per_s, tp.tokens_per_s[50],
                            a.tau, tp.tau.mean)
             )  # fmt: skip
-    ddtree = [a for a in runs if a.point.policy is Policy.DDTREE]
-    measured_best = max(ddtree, key=lambda a: a.tokens_per_s).point.budget if ddtree else None
-    flat = next((c.flat for c in mine.values() if c.policy is Policy.DDTREE), [])
-    return HeldOut(hardware, list(train_budgets), rows, measured_best, flat)
+    measured = {a.point.budget: a.tokens_per_s for a in runs if a.point.policy is Policy.DDTREE}
+    measured_best = max(measured, key=measured.get) if measured else None
+    curve = next((c for c in mine.values() if c.policy is Policy.DDTREE), None)
+    flat = curve.flat if curve else []
+    predicted_best = curve.best.budget if curve else None
+    share = None
+    if measured and predicted_best in measured:
+        share = measured[predicted_best] / measured[measured_best]
+    return HeldOut(hardware, list(train_budgets), rows, measured_best, flat, predicted_best, share)
