@@ -200,3 +200,26 @@ def test_a_smaller_budget_builds_a_prefix_of_a_larger_budget_tree(seed, depth, k
         m = tree.n_nodes
         for name in ("tokens", "parents", "depth", "scores"):
             assert torch.equal(getattr(tree, name), getattr(whole, name)[:m]), (n, name)
+
+
+@pytest.mark.parametrize(
+    "block, vocab, context, heads", [(8, 2048, 300, 4), (16, 32000, 8000, 32), (8, 61, 10**5, 32)]
+)
+def test_recording_forwards_stay_within_their_memory_bounds(block, vocab, context, heads):
+    from ddtree.replay.record import (
+        LOGITS_PER_FORWARD,
+        MAX_ROOTS_PER_FORWARD,
+        SCORES_PER_FORWARD,
+        roots_per_forward,
+    )
+
+    r = roots_per_forward(block, vocab, context, heads)
+    assert 1 <= r <= MAX_ROOTS_PER_FORWARD
+    assert r == 1 or r * (block - 1) * vocab <= LOGITS_PER_FORWARD
+    assert r == 1 or heads * r * block * (context + r * block) <= SCORES_PER_FORWARD
+    # and as many as those bounds allow, up to a factor 2
+    assert (
+        r == MAX_ROOTS_PER_FORWARD
+        or 2 * r * (block - 1) * vocab > LOGITS_PER_FORWARD
+        or (heads * 2 * r * block * (context + 2 * r * block) > SCORES_PER_FORWARD)
+    )

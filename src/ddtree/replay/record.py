@@ -23,8 +23,10 @@ from ddtree.engine.stop import StopCondition
 from ddtree.replay.trace import ModelStamp, PromptInfo, Trace, TraceHeader
 
 DEFAULT_TOP_K = 1024  # candidates per depth: enough for any budget up to 1024
-# Logit elements of one drafter forward in the recorder (R blocks x (B-1) x V floats).
+# Per recording forward: logit elements (R blocks x (B-1) x V) and attention scores
+# (heads x R*B queries x (context + R*B) keys), each at most 4M / 64M floats.
 LOGITS_PER_FORWARD = 1 << 22
+SCORES_PER_FORWARD = 1 << 26
 MAX_ROOTS_PER_FORWARD = 64
 
 
@@ -59,10 +61,15 @@ def greedy_pass(
     return GreedyPass(new, torch.cat(hidden), stop)
 
 
-def roots_per_forward(block_size: int, vocab_size: int) -> int:
-    """Blocks per recording forward: at most 64, and at most 4M logit elements."""
-    per_root = max(1, (block_size - 1) * vocab_size)
-    return max(1, min(MAX_ROOTS_PER_FORWARD, LOGITS_PER_FORWARD // per_root))
+def roots_per_forward(block_size: int, vocab_size: int, context: int = 0, heads: int = 1) -> int:
+    """Blocks per recording forward: at most 64, 4M logit elements and 64M attention scores
+    over ``context`` keys."""
+    r = max(
+        1, min(MAX_ROOTS_PER_FORWARD, LOGITS_PER_FORWARD // max(1, (block_size - 1) * vocab_size))
+    )
+    while r > 1 and heads * r * block_size * (context + r * block_size) > SCORES_PER_FORWARD:
+        r //= 2
+    return r
 
 
 @torch.inference_mode()
@@ -72,7 +79,10 @@ def draft_all_roots(drafter, sequence: torch.Tensor, hidden: torch.Tensor, first
     ``sequence`` [S] int64 (prompt + continuation), ``hidden`` [>= S-2, F] the target's hidden
     states of its tokens. Returns (logprobs [R, B-1, K] float32, tokens [R, B-1, K] int64)."""
     positions = torch.arange(first_root, int(sequence.shape[0]) - 1)  # [R]
-    chunk = roots_per_forward(drafter.block_size, drafter.info.vocab_size)
+    heads = getattr(getattr(drafter, "config", None), "num_attention_heads", 1)
+    chunk = roots_per_forward(
+        drafter.block_size, drafter.info.vocab_size, int(sequence.shape[0]), heads
+    )
     logprobs, tokens = [], []
     for start in range(0, int(positions.shape[0]), chunk):
         roots = positions[start : start + chunk]
