@@ -2,7 +2,8 @@
 
 Used by ``ddtree demo`` and ``ddtree bench engine``: the same prompts, the same models, one
 run, so the ratios between configurations (speedup over AR, overhead share) are measured
-under the same machine load.
+under the same machine load. The configurations take turns on every prompt (prompt-major),
+so that load drifting on a shared machine during the run hits every configuration alike.
 """
 
 from __future__ import annotations
@@ -33,25 +34,28 @@ def sweep(
     on_result: Callable[[DecodeConfig, int], None] | None = None,
     warmup_tokens: int = 8,
 ) -> list[SweepPoint]:
-    """Decode every prompt under every config. ``on_result(config, prompt_index)`` is called
-    after each generation (for progress bars). A short untimed warm-up per config first; in
-    compiled mode it compiles the config's graphs, and ``summary["compile_s"]`` says how long
-    that took (never part of a step)."""
+    """Decode every prompt under every config, the configs taking turns on each prompt.
+    ``on_result(config, prompt_index)`` is called after each generation (for progress bars).
+    A short untimed warm-up per config first; in compiled mode it compiles the config's
+    graphs, and ``summary["compile_s"]`` says how long that took (never part of a step)."""
     if not prompts:
         raise ValueError("no prompts to decode")
-    points = []
-    for config in configs:
-        model = drafter if config.policy != "ar" else None
+    models = [drafter if config.policy != "ar" else None for config in configs]
+    compile_s = []
+    for config, model in zip(configs, models, strict=True):
         warm = replace(config, max_new_tokens=min(warmup_tokens, config.max_new_tokens))
-        compile_s = generate(target, model, prompts[0], warm, tokenizer).compile_s
-        results = []
-        for i, prompt in enumerate(prompts):
-            results.append(generate(target, model, prompt, config, tokenizer))
+        compile_s.append(generate(target, model, prompts[0], warm, tokenizer).compile_s)
+    results: list[list[GenerationResult]] = [[] for _ in configs]
+    for i, prompt in enumerate(prompts):
+        for config, model, out in zip(configs, models, results, strict=True):
+            out.append(generate(target, model, prompt, config, tokenizer))
             if on_result is not None:
                 on_result(config, i)
-        summary = summarize(results)
-        summary["compile_s"] = compile_s + sum(r.compile_s for r in results)
-        points.append(SweepPoint(config, results, summary, None))
+    points = []
+    for config, out, warm_s in zip(configs, results, compile_s, strict=True):
+        summary = summarize(out)
+        summary["compile_s"] = warm_s + sum(r.compile_s for r in out)
+        points.append(SweepPoint(config, out, summary, None))
     _compare_with_ar(points)
     return points
 

@@ -269,9 +269,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)  # [R, heads, B, D]
         k, v = self.keys_values(x, cos, sin)
         if isinstance(context, CacheView):
-            context.k.index_copy_(2, context.slots, k)
-            context.v.index_copy_(2, context.slots, v)
-            k, v = context.k[:, :, : context.n_keys], context.v[:, :, : context.n_keys]
+            k, v = context.write(k, v)
         else:
             k, v = torch.cat([context[0], k], 2), torch.cat([context[1], v], 2)
         groups = self.c.num_attention_heads // self.c.num_key_value_heads
@@ -283,13 +281,30 @@ class Attention(nn.Module):
 
 @dataclass
 class CacheView:
-    """One layer's decode cache as the block attends to it: the block's keys/values go to
-    ``slots``, then the first ``n_keys`` slots (context, block, masked padding) are attended."""
+    """One layer of the decode cache as the block attends to it: the block's keys/values go
+    to ``slots``, then the first ``n_keys`` slots (context, block, masked padding) are read."""
 
-    k: torch.Tensor  # [1, kv_heads, capacity, D]
-    v: torch.Tensor  # [1, kv_heads, capacity, D]
-    slots: torch.Tensor  # [B] int64
+    k: torch.Tensor  # [n_layers, capacity, kv_heads, D] the whole cache (slot-major)
+    v: torch.Tensor  # [n_layers, capacity, kv_heads, D]
+    layer: int
+    slots: torch.Tensor  # [T] int64
     n_keys: int
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [1, kv_heads, T, D] at ``slots``, into the whole cache tensor, not into a
+        per-layer view: a compiled graph updates an input in place, but a write through a view
+        of it copies the whole cache."""
+        layer = torch.full_like(self.slots, self.layer)
+        self.k.index_put_((layer, self.slots), k[0].transpose(0, 1))
+        self.v.index_put_((layer, self.slots), v[0].transpose(0, 1))
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`store`, then this layer's first ``n_keys`` keys/values [1, kv_heads, K, D]."""
+        self.store(k, v)
+        return (
+            self.k[self.layer, : self.n_keys].transpose(0, 1)[None],
+            self.v[self.layer, : self.n_keys].transpose(0, 1)[None],
+        )
 
 
 class MLP(nn.Module):
@@ -486,8 +501,8 @@ class DFlashDrafter:
             max_position=c.max_position_embeddings,
         )
         kv_heads, head_dim = c.num_key_value_heads, c.head_dim
-        shape = (c.num_hidden_layers, 1, kv_heads, max(int(capacity), 1), head_dim)
-        self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, 1, kvh, C, D]
+        shape = (c.num_hidden_layers, max(int(capacity), 1), kv_heads, head_dim)
+        self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, C, kvh, D]
         self._v = torch.zeros_like(self._k)
         self._arange = torch.arange(max(int(capacity), c.block_size), device=self.device)
         self._block = torch.full(
@@ -635,8 +650,8 @@ class DFlashDrafter:
         self._seen_t.fill_(self.seen)
         self._block_start.fill_(end)
         self._block[0, 0] = root_token
-        torch._dynamo.maybe_mark_dynamic(self._k, 3)
-        torch._dynamo.maybe_mark_dynamic(self._v, 3)
+        torch._dynamo.maybe_mark_dynamic(self._k, 1)
+        torch._dynamo.maybe_mark_dynamic(self._v, 1)
         logits = self._compiled(
             self.model,
             self.embed_tokens,
@@ -655,14 +670,14 @@ class DFlashDrafter:
 
     def _ensure(self, needed: int) -> None:
         """Grow the cache buffers (geometrically) to at least ``needed`` slots."""
-        have = self._k.shape[3]
+        have = self._k.shape[1]
         if needed <= have:
             return
         size = max(needed, 2 * have)
         for name in ("_k", "_v"):
             old = getattr(self, name)
-            grown = old.new_zeros(*old.shape[:3], size, old.shape[4])
-            grown[:, :, :, : self.seen] = old[:, :, :, : self.seen]
+            grown = old.new_zeros(old.shape[0], size, *old.shape[2:])
+            grown[:, : self.seen] = old[:, : self.seen]
             setattr(self, name, grown)
 
     def _key_positions(self, n: int) -> torch.Tensor:
@@ -726,14 +741,13 @@ def _append_context(
     model: DFlashModel,
     context_hidden: torch.Tensor,  # [1, T, F] target hidden states of the new context rows
     start: torch.Tensor,  # [] int64: their first slot (= position)
-    k_cache: torch.Tensor,  # [L, 1, kv_heads, capacity, D]
+    k_cache: torch.Tensor,  # [L, capacity, kv_heads, D]
     v_cache: torch.Tensor,
 ) -> None:
     """Write the context keys/values of T rows at slots ``start .. start+T-1``."""
     slots = start + torch.arange(context_hidden.shape[1], device=context_hidden.device)
     for layer, (k, v) in enumerate(model.context_kv(model.context(context_hidden), slots[None])):
-        k_cache[layer].index_copy_(2, slots, k)
-        v_cache[layer].index_copy_(2, slots, v)
+        CacheView(k_cache, v_cache, layer, slots, 0).store(k, v)
 
 
 def _draft_step(
@@ -745,7 +759,7 @@ def _draft_step(
     block_ids: torch.Tensor,  # [1, B] int64: [root, MASK x (B-1)]
     block_start: torch.Tensor,  # [] int64: the root's slot and position (seen + real rows)
     key_positions: torch.Tensor,  # [K] int64: 0..K-1, the slots attended over
-    k_cache: torch.Tensor,  # [L, 1, kv_heads, capacity, D]
+    k_cache: torch.Tensor,  # [L, capacity, kv_heads, D]
     v_cache: torch.Tensor,
     masked: bool,
 ) -> torch.Tensor:
@@ -759,7 +773,7 @@ def _draft_step(
     emb = embed_tokens(block_ids).to(k_cache.dtype) * model.config.input_embedding_scale
     n_keys = key_positions.shape[0]
     views = [
-        CacheView(k_cache[layer], v_cache[layer], block_positions[0], n_keys)
+        CacheView(k_cache, v_cache, layer, block_positions[0], n_keys)
         for layer in range(k_cache.shape[0])
     ]
     valid = (key_positions < block_start + b)[None, None, None] if masked else None  # [1,1,1,K]

@@ -491,11 +491,14 @@ class MoE(nn.Module):
 class Attention(nn.Module):
     """MLA over ``heads`` query heads (default all; a TP rank holds a slice, latent replicated)."""
 
-    def __init__(self, config: MlaMoeConfig, attn_impl: str, heads: int | None = None) -> None:
+    def __init__(
+        self, config: MlaMoeConfig, attn_impl: str, heads: int | None = None, layer_idx: int = 0
+    ) -> None:
         super().__init__()
         c = config
         self.config = c
         self.attn_impl = attn_impl
+        self.layer_idx = layer_idx  # its rows in the [n_layers, capacity, row] latent cache
         self.heads = c.num_attention_heads if heads is None else heads
         h, nh = c.hidden_size, self.heads
         if c.q_lora_rank is None:
@@ -517,7 +520,7 @@ class Attention(nn.Module):
         rope: RotaryEmbedding,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,  # [M, K] additive over cache slots 0..K-1
-        cache_rows: torch.Tensor,  # [capacity, r + rope_dim] this layer's cache rows
+        cache_rows: torch.Tensor,  # [n_layers, capacity, r + rope_dim] the whole latent cache
         slots: torch.Tensor,  # [M] int64: where the new rows go (provisionally)
     ) -> torch.Tensor:
         c = self.config
@@ -531,8 +534,11 @@ class Attention(nn.Module):
         q_rope = rope.apply(q_rope, *cos_sin)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         new = torch.cat([self.kv_a_layernorm(latent), rope.apply(k_rope, *cos_sin)], -1)
-        cache_rows.index_copy_(0, slots, new)  # in place, also inside a compiled graph
-        rows = cache_rows[: mask.shape[-1]]  # [K, r + rope_dim]
+        # written into the whole cache tensor, not a per-layer view: a compiled graph updates
+        # an input in place, but a write through a view of it copies the whole cache per layer
+        layer = torch.full_like(slots, self.layer_idx)
+        cache_rows.index_put_((layer, slots), new)
+        rows = cache_rows[self.layer_idx, : mask.shape[-1]]  # [K, r + rope_dim]
         if self.attn_impl == "absorbed":
             out = self._absorbed(q_nope, q_rope, rows, mask)
         else:
@@ -572,7 +578,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         shard = shard or ModelShard.whole(config)
-        self.self_attn = Attention(config, attn_impl, shard.heads)
+        self.self_attn = Attention(config, attn_impl, shard.heads, layer_idx)
         if layer_idx >= config.first_k_dense_replace:
             self.mlp = MoE(config, shard)
         else:
@@ -654,7 +660,7 @@ class MlaMoeModel(nn.Module):
         mask = attn_mask.to(x.dtype)
         captured = {0: x} if 0 in capture_layers else {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, self.model.rotary_emb, cos_sin, mask, cache_rows[i], cache_slots)
+            x = layer(x, self.model.rotary_emb, cos_sin, mask, cache_rows, cache_slots)
             if i + 1 in capture_layers:
                 captured[i + 1] = x
         x = self.model.norm(x)
