@@ -41,9 +41,11 @@ from ddtree.models.mla_moe import RMSNorm  # the same float32-accumulating norm
 from ddtree.models.static import (
     ENGINE_MODES,
     EnginePlan,
+    cache_input,
     compile_forward,
     kv_bucket,
     mark_key_dim,
+    replay,
     timed,
 )
 
@@ -470,6 +472,7 @@ class DFlashDrafter:
 
     engine_modes = ENGINE_MODES
 
+    @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
     def __init__(
         self,
         model: DFlashModel,
@@ -532,7 +535,7 @@ class DFlashDrafter:
         if self._compiled is not None:
             return 0.0
         self._compiled = compile_forward(_draft_step, self.device)
-        compile_s = timed(lambda: self._propose_static(self._context[0, :1], 0))
+        compile_s = timed(lambda: self._propose_static(self._context[0, :1], 0, warm_up=True))
         self.reset()
         return compile_s
 
@@ -630,7 +633,9 @@ class DFlashDrafter:
             )
         return logits
 
-    def _propose_static(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+    def _propose_static(
+        self, context_hidden: torch.Tensor, root_token: int, warm_up: bool = False
+    ) -> torch.Tensor:
         """Compiled propose: the new context padded to B rows (a longer one, the prompt,
         appended eagerly first), the block right after the real rows, padded keys masked."""
         b = self.block_size
@@ -650,9 +655,10 @@ class DFlashDrafter:
         self._seen_t.fill_(self.seen)
         self._block_start.fill_(end)
         self._block[0, 0] = root_token
-        torch._dynamo.maybe_mark_dynamic(self._k, 1)
-        torch._dynamo.maybe_mark_dynamic(self._v, 1)
-        logits = self._compiled(
+        cache_input(self._k, capacity_dim=1)
+        cache_input(self._v, capacity_dim=1)
+        logits = replay(
+            self._compiled,
             self.model,
             self.embed_tokens,
             self.lm_head,
@@ -664,10 +670,12 @@ class DFlashDrafter:
             self._k,
             self._v,
             masked=True,
+            warm_up=warm_up,
         )
         self.seen = end
         return logits
 
+    @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
     def _ensure(self, needed: int) -> None:
         """Grow the cache buffers (geometrically) to at least ``needed`` slots."""
         have = self._k.shape[1]
@@ -680,6 +688,7 @@ class DFlashDrafter:
             grown[:, : self.seen] = old[:, : self.seen]
             setattr(self, name, grown)
 
+    @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
     def _key_positions(self, n: int) -> torch.Tensor:
         if self._arange.shape[0] < n:
             self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)

@@ -38,10 +38,12 @@ from ddtree.models.static import (
     EnginePlan,
     StaticLayout,
     StaticTree,
+    cache_input,
     compile_forward,
     kv_bucket,
     mark_key_dim,
     pick_bucket,
+    replay,
     static_attention_mask,
     timed,
 )
@@ -332,6 +334,7 @@ class LatentCache:
     Capacity doubles when needed (never a per-step copy of the whole cache).
     """
 
+    @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
     def __init__(self, config: MlaMoeConfig, capacity: int, dtype: torch.dtype, device) -> None:
         self.n_layers = config.num_hidden_layers
         self.row_dim = config.kv_lora_rank + config.qk_rope_head_dim
@@ -343,6 +346,7 @@ class LatentCache:
     def capacity(self) -> int:
         return int(self.rows.shape[1])
 
+    @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
     def ensure(self, needed: int) -> None:
         if needed <= self.capacity:
             return
@@ -685,6 +689,7 @@ class MlaMoeTarget:
 
     engine_modes = ENGINE_MODES
 
+    @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
     def __init__(
         self,
         model: MlaMoeModel,
@@ -785,7 +790,7 @@ class MlaMoeTarget:
         for width in plan.widths:
             static = self._static.setdefault(width, StaticTree(width, self.device))
             if (width, self.capture_layers) not in self._warm:
-                compile_s += timed(lambda s=static: self._run_static(s, s.width, 0))
+                compile_s += timed(lambda s=static: self._run_static(s, s.width, 0, warm_up=True))
                 self._warm.add((width, self.capture_layers))
         self.reset()
         return compile_s
@@ -821,7 +826,11 @@ class MlaMoeTarget:
             c = int(chunk.shape[0])
             chain = torch.ones(c, c, dtype=torch.bool, device=self.device).tril()
             static.fill(chunk, torch.arange(c, device=self.device), chain)
-            outs.append(self._run_static(static, c, self.seq_len))
+            out = self._run_static(static, c, self.seq_len)
+            # copied: the next chunk replays the same graph (under CUDA graphs, into the same
+            # output memory)
+            hidden = None if out.hidden is None else out.hidden.clone()
+            outs.append(TargetOutput(logits=out.logits.clone(), hidden=hidden))
             self.cache.length += c
         hidden = None if outs[0].hidden is None else torch.cat([o.hidden for o in outs])
         return TargetOutput(logits=torch.cat([o.logits for o in outs]), hidden=hidden)
@@ -879,14 +888,17 @@ class MlaMoeTarget:
         out = self.model(ids, positions, slots, mask, self.cache.rows, self.capture_layers)
         return self._checked(out.logits, out.hidden, positions)
 
-    def _run_static(self, static: StaticTree, rows: int, start: int) -> TargetOutput:
+    def _run_static(
+        self, static: StaticTree, rows: int, start: int, warm_up: bool = False
+    ) -> TargetOutput:
         """Compiled forward of one width bucket after ``start`` committed rows; the first
         ``rows`` outputs are real, the padded ones are dropped here."""
         keys = kv_bucket(start + static.width)
         self.cache.ensure(keys)
-        torch._dynamo.maybe_mark_dynamic(self.cache.rows, 1)
+        cache_input(self.cache.rows, capacity_dim=1)
         self._start.fill_(start)
-        logits, hidden = self._compiled(
+        logits, hidden = replay(
+            self._compiled,
             self.model,
             static.tokens,
             static.depth,
@@ -895,10 +907,12 @@ class MlaMoeTarget:
             mark_key_dim(self._key_positions(keys)),
             self.cache.rows,
             self.capture_layers,
+            warm_up=warm_up,
         )
         hidden = None if hidden is None else hidden[:rows]
         return self._checked(logits[:rows], hidden, start + static.depth[:rows])
 
+    @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
     def _key_positions(self, n: int) -> torch.Tensor:
         if self._arange.shape[0] < n:
             self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)

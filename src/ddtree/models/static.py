@@ -18,6 +18,11 @@
     the key positions and the ``[Mb, Mb]`` tree visibility (never a per-step ``[M, S+M]``
     tensor); MoE dispatch has a fixed shape (``ddtree.models.mla_moe.Experts``).
 
+A compiled graph guards on the dispatch keys of its inputs, and a tensor made under
+``torch.inference_mode`` has other keys than one made outside it: the buffers a graph reads
+(caches, per-step inputs) are always allocated outside inference mode, so that a cache grown
+during a request does not recompile.
+
 The pure pieces (bucket choice, the in-graph mask) live here; each model keeps its own
 forward, shared by both modes. Compile time is measured by the warm-up that
 ``set_engine_mode`` runs, one call per width bucket, and is reported apart from step times.
@@ -30,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.fx.experimental._config
 
 from ddtree.records import EngineMode
 from ddtree.tree.layout import LayoutBuffer, VerifyLayout, verify_layout
@@ -113,6 +119,7 @@ class StaticTree:
     """Preallocated per-step inputs of one width bucket ``Mb``: the padded tree's tokens,
     depths and visibility, refilled in place every step."""
 
+    @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
     def __init__(self, width: int, device: torch.device) -> None:
         self.width = width
         self.tokens = torch.zeros(width, dtype=torch.int64, device=device)  # [Mb]
@@ -171,6 +178,30 @@ def compile_forward(fn: Callable, device: torch.device) -> Callable:
     key dimension, CUDA graphs on CUDA."""
     mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
     return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+
+
+def replay(compiled: Callable, *args, warm_up: bool = False, **kwargs):
+    """Call a compiled forward. ``warm_up`` (``set_engine_mode``): compile as needed. Otherwise
+    its graphs are compiled already: only the guards that tell them apart are evaluated
+    (``skip_guard_eval_unsafe``; the full guard set cost 0.2-0.4 ms per call here), and a
+    recompile raises instead of hiding in a step time."""
+    if warm_up:
+        # no duck shaping: a cache capacity that happens to equal the key bucket while
+        # compiling must not become one symbol with it (a later, larger cache would recompile)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+    with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
+        return compiled(*args, **kwargs)
+
+
+def cache_input(cache: torch.Tensor, capacity_dim: int) -> torch.Tensor:
+    """Prepare a KV cache buffer as a compiled graph's input, which the graph updates in
+    place: its capacity dimension dynamic (a cache grown for a longer request reuses the
+    graph); on CUDA a static address, without which CUDA graphs would copy it every replay."""
+    torch._dynamo.maybe_mark_dynamic(cache, capacity_dim)
+    if cache.device.type == "cuda":
+        torch._dynamo.mark_static_address(cache)
+    return cache
 
 
 def mark_key_dim(key_positions: torch.Tensor) -> torch.Tensor:
