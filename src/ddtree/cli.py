@@ -36,6 +36,11 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     ),
     (("bench", "tree"), "bench_tree", "time top-k, tree build and verify layout"),
     (("bench", "engine"), "bench_engine", "sweep policies and budgets; write measurement records"),
+    (
+        ("bench", "shapes"),
+        "bench_shapes",
+        "step costs of larger random targets with the bundled drafter: what would pay",
+    ),
     (("bench", "bandwidth"), "bench_bandwidth", "measure memory bandwidth of this machine"),
     (("bench", "moe"), "bench_moe", "time one MoE layer forward against verify width M"),
     (

@@ -167,3 +167,25 @@ def test_generate_with_a_hugging_face_target_and_a_dflash_drafter_matches_ar(tmp
         assert main(argv + ["--max-new-tokens", "12"]) == 0
         outputs[policy] = capsys.readouterr().out
     assert outputs["ddtree"] == outputs["ar"] and len(outputs["ar"].split()) > 2
+
+
+@pytest.mark.slow
+def test_bench_shapes_projects_the_speedup_from_measured_step_times(tmp_path, capsys):
+    from ddtree.commands._decode import DEMO_DIR
+
+    if not (DEMO_DIR / "drafter" / "model.safetensors").is_file():
+        pytest.skip("demo pair not bundled")
+    out = tmp_path / "shapes.json"
+    argv = ["bench", "shapes", "--shapes", "4:dense", "--engine-modes", "eager"]
+    argv += ["--n-prompts", "1", "--max-new-tokens", "6", "--tau", "2,4", "--json", str(out)]
+    assert main(argv) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["shape"] == "4:dense" and row["mode"] == "eager"
+    assert 0 < row["verify_ar_ms"] < row["step_ar_ms"] and row["draft_ms"] > 0
+    printed = capsys.readouterr().out.splitlines()[-1].split("|")
+    ratio = row["step_ar_ms"] / row["step_ddtree_ms"]
+    assert printed[-4].strip() == f"{2 * ratio:.2f}x" and printed[-3].strip() == f"{4 * ratio:.2f}x"
+    assert printed[-2].strip() == f"{2 / ratio:.1f}"
+    with pytest.raises(SystemExit):
+        main(["bench", "shapes", "--shapes", "16:sparse"])
+    assert "expected LAYERS:moe or LAYERS:dense" in capsys.readouterr().err

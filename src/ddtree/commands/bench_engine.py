@@ -41,7 +41,7 @@ def add_engine_modes_argument(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument(
         "--engine-modes",
         type=engine_modes,
-        default=engine_modes(default),
+        default=default,
         help="comma-separated engine modes to sweep: eager (PyTorch dispatch per kernel), "
         "compiled (torch.compile at static shapes; compile time reported apart) "
         f"(default: {default})",
