@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from ddtree.tree import backend as tree_backend
+
 # aten ops that make views, allocate or read metadata: no kernel
 NO_KERNEL = frozenset(
     "aten::" + n
@@ -274,6 +276,7 @@ def to_toml(counts: KernelCounts, about: str) -> str:
         "[measured]",
         f'how = "{about}"',
         f'torch = "{torch.__version__}"',
+        f'tree_backend = "{tree_backend()}"  # the accept walk: 1 op in C++, several in Python',
         f"verify_width = {c.verify_width}",
         f"context_tokens = {c.context_tokens}",
         f"experts_touched_per_layer = {c.experts_touched_per_layer:.2f}",
