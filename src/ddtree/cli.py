@@ -59,6 +59,11 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("train", "drafter"), "train_drafter", "train the bundled DFlash drafter on the target"),
 ]
 
+DESCRIPTION = (
+    "Lossless DDTree speculative decoding, its benchmarks, and grounded projections of decode "
+    "tokens/s (`ddtree COMMAND --help` for one command)"
+)
+
 GROUP_HELP = {
     "bench": "measurement harnesses that write measurement records",
     "train": "reproduce the bundled demo models",
@@ -78,8 +83,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ddtree", description=__doc__.splitlines()[0])
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command table. Given ``argv``, only the command it names imports its module
+    and adds its arguments (the others are listed by name and help), so ``ddtree --help`` and
+    light commands do not import torch through a heavy command's defaults."""
+    parser = _Parser(prog="ddtree", description=DESCRIPTION)
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, module, help_text in COMMANDS:
@@ -94,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                 group_parser.set_defaults(_group_parser=group_parser)
             subparsers = groups[group]
         sub = subparsers.add_parser(path[-1], help=help_text, description=help_text)
+        if argv is not None and tuple(argv[: len(path)]) != path:
+            continue
         mod = importlib.import_module(f"ddtree.commands.{module}")
         mod.add_arguments(sub)
         sub.set_defaults(_run=mod.run)
@@ -113,7 +123,8 @@ def _showwarning(message, category, filename, lineno, file=None, line=None) -> N
 
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _showwarning
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     run = getattr(args, "_run", None)
     if run is None:

@@ -20,16 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ddtree.commands._args import output_file, positive_int, threads
 from ddtree.commands._decode import DEMO_DIR, TextCodec, demo_prompts
 from ddtree.commands.bench_engine import add_engine_modes_argument
-from ddtree.engine import DecodeConfig
-from ddtree.engine.sweep import sweep
-from ddtree.models import load_drafter
-from ddtree.models.mla_moe import MlaMoeConfig, MlaMoeModel, MlaMoeTarget
+
+if TYPE_CHECKING:
+    from ddtree.models.mla_moe import MlaMoeTarget
 
 INIT_STD = 0.02  # random weights: N(0, 0.02), norms 1 (speed only)
 
@@ -55,6 +53,10 @@ class Shape:
         return f"{self.layers}:{'dense' if self.dense else 'moe'}"
 
     def target(self, seed: int = 0) -> MlaMoeTarget:
+        import torch
+
+        from ddtree.models.mla_moe import MlaMoeConfig, MlaMoeModel, MlaMoeTarget
+
         base = json.loads((DEMO_DIR / "target" / "config.json").read_text())
         cfg = {**base, "num_hidden_layers": self.layers}
         if self.dense:
@@ -90,6 +92,10 @@ class ShapeCost:
 
 
 def measure(shape: Shape, modes: list[str], budget: int, prompts, max_new_tokens: int):
+    from ddtree.engine import DecodeConfig
+    from ddtree.engine.sweep import sweep
+    from ddtree.models import load_drafter
+
     target = shape.target()
     drafter = load_drafter(DEMO_DIR / "drafter", target)
     configs = [
@@ -156,6 +162,8 @@ def positive_float_list(text: str) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     torch.set_num_threads(args.threads)
     codec = TextCodec(DEMO_DIR / "target")
     prompts = [codec.encode(t) for t in demo_prompts()[: args.n_prompts]]

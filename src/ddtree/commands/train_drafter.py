@@ -13,7 +13,7 @@ DEFAULT_OUT = "runs/demo-drafter"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ddtree.train.drafter import DrafterTrainConfig
+    from ddtree.train.config import DrafterTrainConfig
 
     d = DrafterTrainConfig()
     p.add_argument("--target", default=DEFAULT_TARGET, help="target directory (frozen)")

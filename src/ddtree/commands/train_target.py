@@ -12,7 +12,7 @@ DEFAULT_OUT = "runs/demo-target"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ddtree.train.target import TargetTrainConfig
+    from ddtree.train.config import TargetTrainConfig
 
     d = TargetTrainConfig()
     p.add_argument("--out", default=DEFAULT_OUT, help="model directory (checkpoint/ inside)")

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ddtree.train.config import DrafterTrainConfig
 from ddtree.train.corpus import (
     encode_stream,
     heldout_prompts,
@@ -45,29 +46,6 @@ class DrafterShape:
     block_size: int = 8
     target_layer_ids: tuple[int, ...] = (1, 3)  # decoder-layer indices of the target
     rope_theta: float = 10000.0
-
-
-@dataclass(frozen=True)
-class DrafterTrainConfig:
-    steps: int = 1200
-    seqs_per_step: int = 32
-    anchors_per_step: int = 8
-    lr: float = 2e-3
-    warmup_steps: int = 50
-    weight_decay: float = 0.05
-    grad_clip: float = 1.0
-    loss_gamma: float = 4.0  # position weight exp(-(j-1)/gamma)
-    n_sequences: int = 1536
-    prompt_len: int = 64
-    new_tokens: int = 128
-    gen_batch: int = 128
-    seed: int = 0
-    max_files: int | None = None
-    save_every: int = 100
-    log_every: int = 10
-    eval_prompts: int = 8
-    eval_budget: int = 32
-    eval_new_tokens: int = 96
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ddtree.train.config import TargetTrainConfig
 from ddtree.train.corpus import (
     corpus_fingerprint,
     encode_stream,
@@ -56,24 +57,6 @@ class TargetShape:
     v_head_dim: int = 64
     max_position_embeddings: int = 2048
     routed_scaling_factor: float = 2.5
-
-
-@dataclass(frozen=True)
-class TargetTrainConfig:
-    steps: int = 600
-    batch_size: int = 16
-    seq_len: int = 256
-    lr: float = 3e-3
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    bias_update_rate: float = 1e-3
-    vocab_size: int = 2048
-    seed: int = 0
-    max_files: int | None = None  # first files of the sorted corpus (tests use a slice)
-    save_every: int = 200
-    log_every: int = 20
-    eval_windows: int = 32
 
 
 @dataclass
