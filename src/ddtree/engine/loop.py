@@ -60,17 +60,16 @@ class DecodeConfig:
     buckets: tuple[int, ...] = ()  # compiled verify width buckets; (): the policy's own width
 
     def __post_init__(self) -> None:
-        get_policy(self.policy)
+        policy = get_policy(self.policy)
         check_engine_mode(self.engine_mode)
         self.buckets = tuple(int(b) for b in self.buckets)
         if any(b < 1 for b in self.buckets):
             raise ValueError(f"buckets must be >= 1, got {list(self.buckets)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        low = 1 if self.policy == "ddtree" else 0
-        if not low <= self.budget <= MAX_BUDGET:
+        if not policy.min_budget <= self.budget <= MAX_BUDGET:
             raise ValueError(
-                f"budget must be in {low}..{MAX_BUDGET} for policy {self.policy!r}, "
+                f"budget must be in {policy.min_budget}..{MAX_BUDGET} for policy {self.policy!r}, "
                 f"got {self.budget}"
             )
         if self.max_new_tokens < 1:

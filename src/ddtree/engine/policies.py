@@ -22,6 +22,7 @@ from ddtree.tree.types import DraftTree
 class Policy:
     name: str
     needs_drafter: bool
+    min_budget: int = 0  # the smallest DecodeConfig.budget it accepts (ddtree: 1 node)
 
     def candidates(self, budget: int, vocab_size: int) -> int:
         """K: candidates per depth taken from the drafter's logits."""
@@ -41,7 +42,7 @@ class Policy:
 POLICIES: dict[str, Policy] = {
     "ar": Policy("ar", needs_drafter=False),
     "chain": Policy("chain", needs_drafter=True),
-    "ddtree": Policy("ddtree", needs_drafter=True),
+    "ddtree": Policy("ddtree", needs_drafter=True, min_budget=1),
 }
 
 
