@@ -245,3 +245,17 @@ def test_graphs_profile_cuts_launches_not_device_time():
         P["eager.step_overhead"] - P["graphs.step_overhead"]
     )
     assert eager.step_s - graphs.step_s == pytest.approx(saved, rel=1e-6)
+
+
+def test_looped_moe_launches_per_touched_expert_only_in_eager_mode():
+    # ddtree's own MoE (this machine's records) loops over touched experts when eager; its
+    # compiled mode (read as the graphs profile) dispatches at a fixed shape, no per-expert ops
+    P = params_at(default_params())
+    looped = dataclasses.replace(load_catalog()["b300"], looped_moe=True)
+    eager = step_cost(K2T, _point(hardware=looped), P).component("routed MoE")
+    graphs = step_cost(K2T, _point(hardware=looped, engine="graphs"), P).component("routed MoE")
+    fused = step_cost(K2T, _point(engine="graphs"), P).component("routed MoE")
+    touched = experts_touched(K2T.n_routed_experts, K2T.top_k, 9)
+    per_expert = cost.KERNELS["routed_moe_per_expert"] * touched / 8 * K2T.num_moe_layers
+    assert eager.launches == pytest.approx(graphs.launches + per_expert)
+    assert graphs.launches == pytest.approx(fused.launches)

@@ -64,8 +64,8 @@ class Hardware:
     # device names (as torch / nvidia-smi report them) this entry stands for: each pattern is
     # words that must all appear as whole words; "!word" must not appear (see ``match_gpu``)
     match: tuple[str, ...] = ()
-    # runs ddtree's own eager MoE, which loops over the touched experts (a few kernels each);
-    # GPU serving engines run a fused MoE kernel. True for ``this_machine`` (our records)
+    # runs ddtree's own MoE, which in eager mode loops over the touched experts (a few kernels
+    # each); GPU serving engines run a fused MoE kernel. True for ``this_machine`` (our records)
     looped_moe: bool = False
 
     def peak_flops(self, precision: str) -> float:

@@ -613,7 +613,9 @@ def routed_moe(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Comp
         nbytes, flops, prec = routed_moe_layer(model, tokens, pt.tp, pt.experts_curve)
         formula = "L_moe x E(1-(1-k/E)^(M*C)) x expert params x bytes/param / TP"
     launches = KERNELS["routed_moe"]
-    if pt.hardware.looped_moe:  # ddtree's own MoE: a few kernels per touched expert
+    if pt.hardware.looped_moe and pt.engine == "eager":
+        # ddtree's own eager MoE: a few kernels per touched expert (compiled mode's fixed-shape
+        # dispatch, read as the graphs profile, launches none per expert)
         touched = experts_touched(model.n_routed_experts, model.top_k, tokens, pt.experts_curve)
         launches = launches + KERNELS["routed_moe_per_expert"] * touched / pt.tp
     return _device(
