@@ -149,3 +149,15 @@ def test_a_case_at_its_own_anchor_centres_on_it():
     now = next(r for r in est.results if r.case.name.startswith("B300 now"))
     assert now.tokens_per_s[10] < 303 < now.tokens_per_s[90]
     assert now.tokens_per_s[50] == pytest.approx(303, rel=0.03)  # the anchor's noise
+
+
+def test_posterior_draws_say_whether_anchors_weighted_them():
+    from ddtree.perf.calibrate import posterior_samples
+
+    rng = np.random.default_rng(0)
+    prior_only = posterior_samples(calibrate([], default_params()), 200, rng)
+    assert not prior_only.resampled
+    assert prior_only.describe() == "Laplace draws (no anchors to weight them by)"
+    specs, anchors = _synthetic(TRUE)
+    fitted = posterior_samples(calibrate(anchors, specs), 200, rng)
+    assert fitted.weighted and "ESS" in fitted.describe()

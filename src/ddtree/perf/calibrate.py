@@ -209,15 +209,25 @@ def _clip_efficiencies(params: dict, names: list[str]) -> None:
 class PosteriorDraws:
     params: dict[str, np.ndarray]  # name -> [n]
     effective_samples: float  # of the importance weights (n when none were needed)
-    resampled: bool
+    weighted: bool  # importance weights were computed (there were anchors and fitted names)
+
+    @property
+    def n(self) -> int:
+        return len(next(iter(self.params.values()), [0]))
+
+    @property
+    def resampled(self) -> bool:
+        return self.weighted and self.effective_samples >= MIN_ESS_FRACTION * self.n
 
     def describe(self) -> str:
-        n = len(next(iter(self.params.values()), [0]))
+        ess = f"ESS {self.effective_samples:.0f} of {self.n}"
+        if not self.weighted:
+            return "Laplace draws (no anchors to weight them by)"
         if self.resampled:
-            return f"Laplace draws resampled by the true posterior (ESS {self.effective_samples:.0f} of {n})"
+            return f"Laplace draws resampled by the true posterior ({ess})"
         return (
-            f"Laplace draws (importance weights too uneven to resample: ESS "
-            f"{self.effective_samples:.0f} of {n}); p50 may sit off the point estimate"
+            f"Laplace draws (importance weights too uneven to resample: {ess}); "
+            "p50 may sit off the point estimate"
         )
 
 
@@ -235,11 +245,11 @@ def posterior_samples(cal: Calibration, n: int, rng: np.random.Generator) -> Pos
     """
     out = {k: np.full(n, v, dtype=float) for k, v in cal.values.items()}
     if not cal.names:
-        return PosteriorDraws(out, float(n), False)
+        return PosteriorDraws(out, float(n), weighted=False)
     draws = rng.multivariate_normal(cal.mean_log, cal.cov_log, size=n, method="eigh")  # [n, K]
     params = {**cal.fixed, **{nm: np.exp(draws[:, i]) for i, nm in enumerate(cal.names)}}
     _clip_efficiencies(params, cal.names)
-    ess, resampled = float(n), False
+    ess = float(n)
     if cal.anchors:
         chi2_a = sum(r**2 for r in _log_residuals(cal.anchors, params)) / cal.misfit_scale
         chi2_p = (((draws - cal.prior_mean_log) / cal.prior_sd_log) ** 2).sum(axis=1)
@@ -251,10 +261,9 @@ def posterior_samples(cal: Calibration, n: int, rng: np.random.Generator) -> Pos
         if ess >= MIN_ESS_FRACTION * n:
             pick = rng.choice(n, size=n, p=w / w.sum())
             params = {k: v[pick] if np.ndim(v) else v for k, v in params.items()}
-            resampled = True
     for name in cal.names:
         out[name] = params[name]
-    return PosteriorDraws(out, ess, resampled)
+    return PosteriorDraws(out, ess, weighted=bool(cal.anchors))
 
 
 @dataclass
