@@ -41,6 +41,7 @@ from ddtree.models.mla_moe import RMSNorm  # the same float32-accumulating norm
 from ddtree.models.static import (
     ENGINE_MODES,
     EnginePlan,
+    KeyPositions,
     cache_input,
     compile_forward,
     kv_bucket,
@@ -507,7 +508,7 @@ class DFlashDrafter:
         shape = (c.num_hidden_layers, max(int(capacity), 1), kv_heads, head_dim)
         self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, C, kvh, D]
         self._v = torch.zeros_like(self._k)
-        self._arange = torch.arange(max(int(capacity), c.block_size), device=self.device)
+        self._key_positions = KeyPositions(max(int(capacity), c.block_size), self.device)
         self._block = torch.full(
             (1, c.block_size), c.mask_token_id, dtype=torch.int64, device=self.device
         )  # [1, B]: [root, MASK x (B-1)], the root refilled each step
@@ -687,12 +688,6 @@ class DFlashDrafter:
             grown = old.new_zeros(old.shape[0], size, *old.shape[2:])
             grown[:, : self.seen] = old[:, : self.seen]
             setattr(self, name, grown)
-
-    @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
-    def _key_positions(self, n: int) -> torch.Tensor:
-        if self._arange.shape[0] < n:
-            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)
-        return self._arange[:n]
 
     @classmethod
     def from_pretrained(

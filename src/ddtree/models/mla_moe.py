@@ -36,6 +36,7 @@ from ddtree.models.static import (
     ENGINE_MODES,
     EagerLayouts,
     EnginePlan,
+    KeyPositions,
     StaticLayout,
     StaticTree,
     cache_input,
@@ -713,7 +714,7 @@ class MlaMoeTarget:
         self._static: dict[int, StaticTree] = {}  # width bucket -> its preallocated inputs
         self._warm: set[tuple[int, tuple[int, ...]]] = set()  # (width, capture layers) compiled
         self._start = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._arange = torch.arange(capacity, device=self.device)
+        self._key_positions = KeyPositions(capacity, self.device)
         c = self.config
         n_params = sum(p.numel() for p in model.parameters())
         self.info = ModelInfo(
@@ -911,12 +912,6 @@ class MlaMoeTarget:
         )
         hidden = None if hidden is None else hidden[:rows]
         return self._checked(logits[:rows], hidden, start + static.depth[:rows])
-
-    @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
-    def _key_positions(self, n: int) -> torch.Tensor:
-        if self._arange.shape[0] < n:
-            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)
-        return self._arange[:n]
 
     def _checked(self, logits, hidden, positions) -> TargetOutput:
         # NaN/inf propagate into the sum (one cheap reduction instead of an elementwise test;

@@ -204,6 +204,22 @@ def cache_input(cache: torch.Tensor, capacity_dim: int) -> torch.Tensor:
     return cache
 
 
+class KeyPositions:
+    """Key positions ``0 .. n-1`` ([n] int64) as views of one arange grown by doubling: what a
+    compiled graph reads as its key index, allocated outside inference mode (see above)."""
+
+    @torch.inference_mode(False)
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.device = device
+        self._arange = torch.arange(n, device=device)
+
+    @torch.inference_mode(False)
+    def __call__(self, n: int) -> torch.Tensor:
+        if self._arange.shape[0] < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)
+        return self._arange[:n]
+
+
 def mark_key_dim(key_positions: torch.Tensor) -> torch.Tensor:
     """Mark dim 0 of the key positions dynamic, so the growing prefix reuses one graph."""
     torch._dynamo.maybe_mark_dynamic(key_positions, 0)
