@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from ddtree.cli import COMMANDS, main
 
 
@@ -42,5 +44,7 @@ def test_a_command_named_in_argv_gets_its_arguments_the_others_do_not():
     from ddtree.cli import build_parser
 
     parser = build_parser(["bench", "tree"])
-    assert parser.parse_args(["bench", "tree", "--budgets", "32"]).budgets
+    assert parser.parse_args(["bench", "tree", "--budgets", "32"]).budgets == [32]
+    with pytest.raises(SystemExit):  # bench moe is listed, without its arguments
+        parser.parse_args(["bench", "moe", "--repeats", "2"])
     assert build_parser().parse_args(["bench", "moe", "--repeats", "2"]).repeats == 2

@@ -163,9 +163,7 @@ def _expert_loop(experts: nn.Module, hidden: int, top_k: int) -> tuple[float, fl
     w = torch.full((4, top_k), 1.0 / top_k)
 
     def ops(n_experts: int) -> int:
-        ids = torch.arange(4 * top_k).reshape(4, top_k) % n_experts
-        if n_experts == 1:
-            ids = torch.zeros(4, top_k, dtype=torch.int64)
+        ids = torch.arange(4 * top_k).reshape(4, top_k) % n_experts  # [4, k]
         return count_ops(lambda: experts(x, w, ids))
 
     one, two = ops(1), ops(2)

@@ -75,19 +75,17 @@ def bench_tree(
     builder times the same inputs in the same run, so their ratios are comparable."""
     backends = available_backends() if backends is None else backends
     g = torch.Generator().manual_seed(seed)
-    warmed_up = False
+    # The first point a process times can run slow (one-time dispatch and allocator set-up):
+    # one untimed call of everything first, so row order does not matter.
+    warm = topk_logprobs(torch.randn(block_sizes[0] - 1, vocab_size), budgets[0])
+    for _ in _heap_points(block_sizes[0], budgets[0], warm, backends, 1, prefix_len, 0.0):
+        pass
     for block in block_sizes:
         depth = block - 1
         logits = torch.randn(depth, vocab_size, generator=g)  # [L, V]
         for budget in budgets:
             topk_t = time_call(partial(topk_logprobs, logits, budget), max(3, repeats // 4))
             top = topk_logprobs(logits, budget)
-            if not warmed_up:
-                # The first point a process times can run slow (one-time dispatch and
-                # allocator set-up): one untimed pass first, so row order does not matter.
-                for _ in _heap_points(block, budget, top, backends, repeats, prefix_len, 0.0):
-                    pass
-                warmed_up = True
             yield from _heap_points(
                 block, budget, top, backends, repeats, prefix_len, topk_t.median_s
             )

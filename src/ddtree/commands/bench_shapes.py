@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ddtree.commands._args import output_file, positive_int, threads
-from ddtree.commands._decode import DEMO_DIR, TextCodec, demo_prompts
+from ddtree.commands._decode import DEMO_DIR, TextCodec, demo_prompts, set_threads
 from ddtree.commands.bench_engine import add_engine_modes_argument
 
 if TYPE_CHECKING:
@@ -162,9 +162,7 @@ def positive_float_list(text: str) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    torch.set_num_threads(args.threads)
+    set_threads(args)
     codec = TextCodec(DEMO_DIR / "target")
     prompts = [codec.encode(t) for t in demo_prompts()[: args.n_prompts]]
     rows = []

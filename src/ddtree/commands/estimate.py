@@ -59,9 +59,6 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.perf.units import UnitError
     from ddtree.records import RecordError
 
-    if args.samples < 1:
-        print("ddtree estimate: --samples must be >= 1", file=sys.stderr)
-        return 2
     try:
         if args.validate:
             from ddtree.perf import validate

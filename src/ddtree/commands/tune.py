@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ddtree.commands._args import int_list
+from ddtree.commands._args import int_list, positive_int, seed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,8 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="calibrate only on engine runs at these budgets, and check the prediction at the "
         "other measured budgets on this-machine (held-out check)",
     )
-    p.add_argument("--samples", type=int, default=4000, help="Monte Carlo samples per point")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--samples", type=positive_int, default=4000, help="Monte Carlo samples per point"
+    )
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--report", metavar="DIR", help="write tune.md and tune_tokens_vs_budget.png")
 
@@ -50,8 +52,6 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.perf.estimate import load
     from ddtree.perf.tune import held_out, tune
 
-    if args.samples < 1:
-        raise ValueError("--samples must be >= 1")
     hardware = [h for h in args.hardware.split(",") if h]
     if not hardware:
         raise ValueError("--hardware: expected at least one hardware key")
