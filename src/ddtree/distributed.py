@@ -258,15 +258,24 @@ def _spawned_main(
     device = _rank_device(device, rank)
     group = _init(store, rank, world_size, device, timeout_s, ready_timeout_s, "spawned")
     try:
-        entry(group, *args)
-    except BaseException as err:  # noqa: B036 - report anything, then exit non-zero
-        group.report_error(f"{type(err).__name__}: {err}")
+        _run_entry(group, entry, args)
+    except BaseException as err:  # noqa: B036 - reported to rank 0; exit non-zero
         if not isinstance(err, DistributedError | KeyboardInterrupt):
             traceback.print_exc()
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _run_entry(group: Group, entry: Callable, args: tuple) -> None:
+    """A rank > 0 runs ``entry(group, *args)``; any failure is reported to rank 0 (which raises
+    it naming the rank) and re-raised, however the rank was started."""
+    try:
+        entry(group, *args)
+    except BaseException as err:  # noqa: B036 - report anything
+        group.report_error(f"{type(err).__name__}: {err}")
+        raise
 
 
 def spawn_group(
@@ -338,10 +347,7 @@ def start_group(
     if group.rank == 0:
         return group
     try:
-        entry(group, *args)
-    except DistributedError as err:
-        group.report_error(str(err))
-        raise
+        _run_entry(group, entry, args)
     finally:
         group.close()
     return None
