@@ -118,8 +118,11 @@ def test_tune_finds_the_best_budget_and_its_flat_region(tmp_path, acc_file):
         p50 = {p.budget: p.tokens_per_s[50] for p in c.points}
         assert c.best.budget == max(p50, key=p50.get)
         assert c.flat == [n for n, v in p50.items() if v >= 0.95 * p50[c.best.budget]]
-        for p in c.points:  # tokens/s = tau / step at the point estimate, within the band
-            assert p.tokens_per_s[10] <= p.tokens_per_s[50] <= p.tokens_per_s[90]
+        for p in c.points:  # tokens/s = tau / step (C = 1): its p50 inside the inputs' bands
+            tau = p.tau.value
+            low, high = (tau.low, tau.high) if hasattr(tau, "low") else (tau, tau)
+            assert low / p.step_s[90] <= p.tokens_per_s[50] <= high / p.step_s[10]
+            assert p.tokens_per_s[10] < p.tokens_per_s[90]
     ddtree = curves[0]
     assert [p.budget for p in ddtree.points] == sorted(TAUS)
     assert ddtree.why  # says which component grows, or that tokens/s still rises
