@@ -142,7 +142,7 @@ def generate(
         generator = torch.Generator(device=device).manual_seed(config.seed)
     clock = StageClock.for_device(device)
 
-    use_drafter = drafter is not None and policy.needs_drafter
+    use_drafter = policy.needs_drafter  # (checked above: then there is a drafter)
     target.set_capture_layers(list(drafter.target_layer_ids) if use_drafter else [])
     plan = EnginePlan(config.engine_mode, config.width_buckets(), max_len)
     compile_s = target.set_engine_mode(plan)  # resets the cache; EngineModeError if unsupported

@@ -40,15 +40,14 @@ def sweep(
     graphs, and ``summary["compile_s"]`` says how long that took (never part of a step)."""
     if not prompts:
         raise ValueError("no prompts to decode")
-    models = [drafter if config.policy != "ar" else None for config in configs]
-    compile_s = []
-    for config, model in zip(configs, models, strict=True):
+    compile_s = []  # generate ignores the drafter under a policy that needs none (ar)
+    for config in configs:
         warm = replace(config, max_new_tokens=min(warmup_tokens, config.max_new_tokens))
-        compile_s.append(generate(target, model, prompts[0], warm, tokenizer).compile_s)
+        compile_s.append(generate(target, drafter, prompts[0], warm, tokenizer).compile_s)
     results: list[list[GenerationResult]] = [[] for _ in configs]
     for i, prompt in enumerate(prompts):
-        for config, model, out in zip(configs, models, results, strict=True):
-            out.append(generate(target, model, prompt, config, tokenizer))
+        for config, out in zip(configs, results, strict=True):
+            out.append(generate(target, drafter, prompt, config, tokenizer))
             if on_result is not None:
                 on_result(config, i)
     points = []
