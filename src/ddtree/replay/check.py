@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ddtree.engine import DecodeConfig, generate
-from ddtree.replay.simulate import PromptReplayer, replay_points
+from ddtree.replay.simulate import PromptReplayer, budgets_by_policy
 from ddtree.replay.trace import Trace
 
 
@@ -73,9 +73,7 @@ def check_against_engine(
         )
     runs = []
     indices = range(len(header.prompts)) if prompts is None else prompts
-    points = replay_points(trace, policies, budgets)
-    for policy in dict.fromkeys(p for p, _ in points):
-        ns = [n for p, n in points if p == policy]
+    for policy, ns in budgets_by_policy(trace, policies, budgets).items():
         for i in indices:
             info = header.prompts[i]
             sequence = trace.sequence(i)

@@ -183,3 +183,13 @@ def replay_points(
         else:
             points.extend((name, int(n)) for n in dict.fromkeys(budgets))
     return points
+
+
+def budgets_by_policy(
+    trace: Trace, policies: Sequence[str], budgets: Sequence[int]
+) -> dict[str, list[int]]:
+    """:func:`replay_points` grouped by policy, in order: policy -> its budgets."""
+    out: dict[str, list[int]] = {}
+    for policy, n in replay_points(trace, policies, budgets):
+        out.setdefault(policy, []).append(n)
+    return out

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.replay.simulate import PromptReplay, PromptReplayer, replay_points
+from ddtree.replay.simulate import PromptReplay, PromptReplayer, budgets_by_policy
 
 RANKS_SHOWN = 8
 BOOTSTRAP_RESAMPLES = 2000
@@ -127,10 +127,8 @@ def replay_sweep(
 ) -> list[TauSummary]:
     """Replay every (policy, budget) point of ``trace`` (chain once: its budget is B-1);
     ``on_prompt(policy, index)`` after each prompt of each policy (progress bars)."""
-    points = replay_points(trace, policies, budgets)
     out = []
-    for policy in dict.fromkeys(p for p, _ in points):
-        ns = [n for p, n in points if p == policy]
+    for policy, ns in budgets_by_policy(trace, policies, budgets).items():
         runs: list[list[PromptReplay]] = [[] for _ in ns]  # per budget, per prompt
         for i in range(len(trace.header.prompts)):
             for per_budget, run in zip(runs, PromptReplayer(trace, i, policy).run(ns), strict=True):
