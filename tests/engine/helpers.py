@@ -52,6 +52,26 @@ def tiny_mla_target(seed: int = 0, scale: float = 0.3, **overrides) -> MlaMoeTar
     return MlaMoeTarget(model, capacity=64)
 
 
+def per_expert(state: dict) -> dict:
+    """A fused MLA+MoE state_dict with the routed experts stored one by one, as published
+    DeepSeek/Kimi checkpoints do (``mlp.experts.{e}.{gate,up,down}_proj.weight``)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            for e, w in enumerate(tensor):
+                gate, up = w.chunk(2)
+                out[f"{base}{e}.gate_proj.weight"] = gate
+                out[f"{base}{e}.up_proj.weight"] = up
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e, w in enumerate(tensor):
+                out[f"{base}{e}.down_proj.weight"] = w
+        else:
+            out[name] = tensor
+    return out
+
+
 class ScriptedDrafter:
     """Implements the Drafter protocol from a known continuation ``script`` (prompt + greedy
     output): at each position the true token is ranked first with probability ``hit``, else
@@ -117,6 +137,15 @@ def tiny_hf_target(kind: str, seed: int = 0, dtype=None, **overrides):
             **common, num_key_value_heads=2, head_dim=head_dim
         ),
         "llama": lambda: transformers.LlamaConfig(**common, num_key_value_heads=2),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common,
+            num_key_value_heads=2,
+            head_dim=head_dim,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=common["hidden_size"],
+            norm_topk_prob=True,
+        ),
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
             **{k: v for k, v in TINY.items() if k not in ("architectures", "model_type")},
             initializer_range=0.5,
@@ -125,13 +154,28 @@ def tiny_hf_target(kind: str, seed: int = 0, dtype=None, **overrides):
     classes = {
         "qwen3": transformers.Qwen3ForCausalLM,
         "llama": transformers.LlamaForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "deepseek_v3": transformers.DeepseekV3ForCausalLM,
     }
     torch.manual_seed(seed)
     cfg = configs[kind]()
     cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "eager"  # its grouped_mm takes no float64
     model = classes[kind](cfg).eval()
     return HFTarget(model if dtype is None else model.to(dtype), name=f"tiny-{kind}")
+
+
+def decoder_from_hf(model, capacity: int = 64):
+    """Our ``DecoderTarget`` with the weights of a transformers Qwen3 / Qwen3-MoE / Llama
+    model, in its dtype."""
+    from ddtree.models.decoder import DecoderConfig, DecoderModel, DecoderTarget
+
+    config = DecoderConfig.from_hf(model.config.to_dict(), source="transformers model")
+    ours = DecoderModel(config)
+    ours.load_state_dict(model.state_dict())
+    ours.model.rotary_emb.reset_inv_freq()
+    dtype = next(model.parameters()).dtype
+    return DecoderTarget(ours.to(dtype), name=f"decoder-{config.model_type}", capacity=capacity)
 
 
 def random_dflash_drafter(

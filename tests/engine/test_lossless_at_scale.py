@@ -1,7 +1,8 @@
 """Losslessness at scale against an independent reference: greedy chain and DDTree output of
 the engine equals transformers' own greedy ``generate``, over 1008 random trials.
 
-A trial draws a target (Qwen3 or Llama of a few sizes and vocabularies, random weights), a
+A trial draws a target (Qwen3, Qwen3-MoE or Llama of a few sizes and vocabularies, random
+weights, behind the transformers wrapper or our own decoder with the same weights), a
 drafter (a random DFlash drafter on the target's embedding and head, or a scripted drafter
 that ranks transformers' continuation first, second, third or not at all, so that deep paths
 get accepted too), a block size B, a budget N, a prompt, max_new_tokens and an EOS id (none,
@@ -29,7 +30,13 @@ import torch
 
 from ddtree.engine import DecodeConfig, generate
 
-from .helpers import ScriptedDrafter, random_dflash_drafter, tiny_hf_target, transformers_greedy
+from .helpers import (
+    ScriptedDrafter,
+    decoder_from_hf,
+    random_dflash_drafter,
+    tiny_hf_target,
+    transformers_greedy,
+)
 
 GROUPS, TRIALS_PER_GROUP = 42, 24  # 1008 trials
 BLOCKS = (2, 3, 4, 6, 8, 12, 16)
@@ -37,19 +44,22 @@ BLOCKS = (2, 3, 4, 6, 8, 12, 16)
 
 @dataclass(frozen=True)
 class TargetSpec:
-    kind: str  # "qwen3" | "llama"
+    kind: str  # "qwen3" | "qwen3_moe" | "llama"
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
     initializer_range: float  # large: peaked, repetitive output; small: flat distributions
     seed: int
+    impl: str = "hf"  # the engine's target: "hf" (transformers wrapper) or "decoder" (ours)
 
 
 TARGETS = (
     TargetSpec("qwen3", 16, 32, 2, 0.5, 0),
-    TargetSpec("llama", 61, 32, 2, 0.2, 1),
-    TargetSpec("qwen3", 257, 48, 3, 0.1, 2),
+    TargetSpec("llama", 61, 32, 2, 0.2, 1, impl="decoder"),
+    TargetSpec("qwen3", 257, 48, 3, 0.1, 2, impl="decoder"),
     TargetSpec("llama", 1000, 64, 1, 0.5, 3),
+    TargetSpec("qwen3_moe", 61, 32, 2, 0.5, 4, impl="decoder"),
+    TargetSpec("qwen3", 16, 32, 2, 0.5, 5, impl="decoder"),
 )
 
 
@@ -67,7 +77,8 @@ class Trial:
 @dataclass
 class Models:
     spec: TargetSpec
-    target: object  # HFTarget
+    target: object  # HFTarget or DecoderTarget
+    reference: object  # the transformers model whose generate is the reference
     frequent: list[int]  # tokens the target produces often: the EOS candidates
     drafters: dict  # (seed, B) -> DFlashDrafter
 
@@ -103,7 +114,8 @@ def _load(spec: TargetSpec) -> Models:
     gen = torch.Generator().manual_seed(spec.seed)
     probe = torch.randint(0, spec.vocab_size, (8, 6), generator=gen)
     counts = Counter(t for row in transformers_greedy(target.model, probe, 24) for t in row)
-    return Models(spec, target, [t for t, _ in counts.most_common(6)], {})
+    engine_target = decoder_from_hf(target.model) if spec.impl == "decoder" else target
+    return Models(spec, engine_target, target.model, [t for t, _ in counts.most_common(6)], {})
 
 
 def _trials(rng: random.Random, vocab: int, prompt_len: int) -> list[Trial]:
@@ -144,7 +156,7 @@ def run_trials(groups: int, seed: int = 13) -> Outcome:
         trials = _trials(rng, vocab, prompt_len=rng.randint(1, 24))
         prompts = torch.tensor([t.prompt for t in trials])
         longest = max(t.max_new_tokens for t in trials)
-        reference = transformers_greedy(m.target.model, prompts, longest, eos)
+        reference = transformers_greedy(m.reference, prompts, longest, eos)
         for trial, ref in zip(trials, reference, strict=True):
             expected = ref[: trial.max_new_tokens]
             for policy in ("chain", "ddtree"):

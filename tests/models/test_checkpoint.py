@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from tests.tiny import TINY_DEEPSEEK_V3
 
 from ddtree.models.checkpoint import (
     CheckpointError,
@@ -20,36 +21,11 @@ transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
 
-TINY_DEEPSEEK = dict(
-    vocab_size=101,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_shared_experts=1,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=1,
-    kv_lora_rank=16,
-    q_lora_rank=24,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=16,
-    max_position_embeddings=64,
-    initializer_range=0.1,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-)
-
 
 @pytest.fixture(scope="module")
 def hf_deepseek():
     torch.manual_seed(0)
-    cfg = transformers.DeepseekV3Config(**TINY_DEEPSEEK)
+    cfg = transformers.DeepseekV3Config(**TINY_DEEPSEEK_V3)
     cfg._attn_implementation = "eager"
     model = transformers.DeepseekV3ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -72,7 +48,7 @@ def test_mla_moe_from_hf_save_pretrained(tmp_path, hf_deepseek, max_shard_size):
     ours = target.prefill(ids).logits
     with torch.no_grad():
         ref = hf_deepseek(ids[None]).logits[0]
-    assert ours.shape == ref.shape == (8, TINY_DEEPSEEK["vocab_size"])
+    assert ours.shape == ref.shape == (8, TINY_DEEPSEEK_V3["vocab_size"])
     assert (ours - ref).abs().max().item() <= TOL
 
 
@@ -185,7 +161,7 @@ def test_mla_moe_errors_name_file_and_tensor(tmp_path, hf_deepseek):
         MlaMoeTarget.from_pretrained(tmp_path)
     assert str(tmp_path) in str(err.value)
     # missing and unexpected tensors
-    (tmp_path / "config.json").write_text(json.dumps(read_config(tmp_path) | TINY_DEEPSEEK))
+    (tmp_path / "config.json").write_text(json.dumps(read_config(tmp_path) | TINY_DEEPSEEK_V3))
     tensors["model.extra.weight"] = torch.zeros(2)
     del tensors["model.norm.weight"]
     save_file(tensors, tmp_path / "model.safetensors")

@@ -9,10 +9,10 @@ import torch
 from tests.engine.helpers import tiny_mla_target
 from torch import nn
 
+from ddtree.errors import NonFiniteLogitsError
 from ddtree.models import load_drafter
 from ddtree.models.checkpoint import CheckpointError
 from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
-from ddtree.models.mla_moe import NonFiniteLogitsError
 
 TOL = 1e-4
 VOCAB, HIDDEN = 61, 32

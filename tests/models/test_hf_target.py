@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.tiny import TINY_DEEPSEEK_V3, TINY_LLAMA, TINY_QWEN3, TINY_VOCAB
 from tests.trees import make_tree
 
 from ddtree.models.base import Target
@@ -20,38 +21,10 @@ from ddtree.tree.types import DraftTree
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
-VOCAB = 101
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=64,
-    initializer_range=0.1,
-    tie_word_embeddings=False,
-)
 CONFIGS = {
-    "qwen3": lambda: transformers.Qwen3Config(
-        **COMMON, num_key_value_heads=2, head_dim=16, eos_token_id=[7, 9]
-    ),
-    "llama": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=2, eos_token_id=5),
-    "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        **COMMON,
-        num_key_value_heads=4,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-    ),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY_QWEN3, eos_token_id=[7, 9]),
+    "llama": lambda: transformers.LlamaConfig(**TINY_LLAMA, eos_token_id=5),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**TINY_DEEPSEEK_V3),
 }
 MODEL_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
@@ -106,7 +79,7 @@ def test_is_a_target(model):
     assert target.cache_keyword == "cache"  # transformers 5.24 renamed it
     assert target.info.implementation == "hf"
     assert target.info.num_layers == 2 and target.info.hidden_size == 64
-    assert target.info.vocab_size == VOCAB and target.info.max_position == 64
+    assert target.info.vocab_size == TINY_VOCAB and target.info.max_position == 64
 
 
 def test_prefill_logits_every_position(model):
@@ -115,7 +88,7 @@ def test_prefill_logits_every_position(model):
     logits = target.prefill(torch.tensor(prompt)).logits
     with torch.no_grad():
         ref = model(torch.tensor([prompt]), use_cache=False).logits[0]
-    assert logits.shape == (7, VOCAB)
+    assert logits.shape == (7, TINY_VOCAB)
     assert (logits - ref).abs().max().item() <= TOL
     assert target.seq_len == 7
 
@@ -134,10 +107,10 @@ def test_verify_commit_steps_equal_full_forward(model):
     worst_logits, worst_hidden = 0.0, 0.0
     accepted_paths = [[0, 1, 3], [0, 1, 2, 3, 4, 5], [0, 3]]  # each a path in its tree
     for parents, accepted in zip(PARENTS, accepted_paths, strict=True):
-        tokens = [root] + torch.randint(0, VOCAB, (5,), generator=gen).tolist()
+        tokens = [root] + torch.randint(0, TINY_VOCAB, (5,), generator=gen).tolist()
         tree = make_tree(tokens, parents)
         out = target.verify(tree)
-        assert out.logits.shape == (6, VOCAB) and out.hidden.shape == (6, 3 * 64)
+        assert out.logits.shape == (6, TINY_VOCAB) and out.hidden.shape == (6, 3 * 64)
         for node in range(6):
             ref_logits, ref_hidden = full_forward(
                 model, committed + path_tokens(tree, node), layers
@@ -338,8 +311,8 @@ def test_commit_validation():
 def test_context_length_guard():
     target = HFTarget(make_model("llama", "eager"))
     with pytest.raises(ValueError, match="max_position_embeddings=64"):
-        target.prefill(torch.arange(65) % VOCAB)
-    target.prefill(torch.arange(62) % VOCAB)
+        target.prefill(torch.arange(65) % TINY_VOCAB)
+    target.prefill(torch.arange(62) % TINY_VOCAB)
     with pytest.raises(ValueError, match="tree of depth 2 needs 65 positions"):
         target.verify(make_tree([1, 2, 3], [-1, 0, 1]))
 
@@ -359,8 +332,8 @@ def test_info_and_capture_errors():
     assert HFTarget(make_model("llama", "eager")).info.eos_token_ids == (5,)
     with pytest.raises(ValueError, match=r"\[3\] outside 0..2"):
         qwen.set_capture_layers([0, 3])
-    assert qwen.embed_tokens.weight.shape == (VOCAB, 64)
-    assert qwen.lm_head.weight.shape == (VOCAB, 64)
+    assert qwen.embed_tokens.weight.shape == (TINY_VOCAB, 64)
+    assert qwen.lm_head.weight.shape == (TINY_VOCAB, 64)
 
 
 def test_causal_float_mask():

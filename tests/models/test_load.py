@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from tests.tiny import TINY_DEEPSEEK_V3, TINY_QWEN3
 
 from ddtree.models import (
     UnsupportedModelError,
@@ -16,6 +17,7 @@ from ddtree.models import (
     drafter_target_layer_ids,
     load_drafter,
     load_target,
+    target_engine_modes,
 )
 from ddtree.models.base import ModelInfo
 from ddtree.models.checkpoint import CheckpointError
@@ -23,36 +25,12 @@ from ddtree.models.checkpoint import CheckpointError
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
-COMMON = dict(
-    vocab_size=101,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=64,
-    initializer_range=0.1,
-)
 
 
 @pytest.fixture(scope="module")
 def deepseek_dir(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.DeepseekV3Config(
-        **COMMON,
-        num_key_value_heads=4,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-    )
+    cfg = transformers.DeepseekV3Config(**TINY_DEEPSEEK_V3)
     model = transformers.DeepseekV3ForCausalLM(cfg).eval()
     path = tmp_path_factory.mktemp("ckpt") / "tiny-dsv3"
     model.save_pretrained(path)
@@ -62,7 +40,7 @@ def deepseek_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=16)
+    cfg = transformers.Qwen3Config(**TINY_QWEN3)
     path = tmp_path_factory.mktemp("ckpt") / "tiny-qwen3"
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
     return path
@@ -81,13 +59,23 @@ def test_deepseek_dispatches_to_mla_moe_and_agrees_with_hf(deepseek_dir):
     assert diff <= TOL
 
 
-def test_qwen_dispatches_to_hf(qwen_dir):
+def test_qwen_dispatches_to_our_decoder_and_agrees_with_hf(qwen_dir):
+    from ddtree.models.decoder import DecoderTarget
     from ddtree.models.hf import HFTarget
 
-    target = load_target(qwen_dir, impl="auto")
+    ours = load_target(qwen_dir)
+    assert isinstance(ours, DecoderTarget) and ours.info.implementation == "decoder"
+    assert target_engine_modes(qwen_dir) == ("eager", "compiled")
+    assert target_engine_modes(qwen_dir, impl="hf") == ("eager",)
+    target = load_target(qwen_dir, impl="hf")
     assert isinstance(target, HFTarget)
     assert target.info.architecture == "Qwen3ForCausalLM" and target.info.name == "tiny-qwen3"
-    with pytest.raises(UnsupportedModelError, match=r"config\.json: impl='mla_moe' needs"):
+    ids = torch.tensor([3, 14, 15, 92, 65])
+    diff = (ours.prefill(ids).logits - target.prefill(ids).logits).abs().max().item()
+    assert diff <= TOL
+    with pytest.raises(
+        UnsupportedModelError, match=r"config\.json: impl='mla_moe' \(our MLA\+MoE.*needs"
+    ):
         load_target(qwen_dir, impl="mla_moe")
 
 
@@ -98,12 +86,15 @@ def test_qwen_dispatches_to_hf(qwen_dir):
         ({"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}, "auto", "mla_moe"),
         ({"model_type": "kimi_k2"}, "auto", "mla_moe"),
         ({"model_type": "deepseek_v3"}, "hf", "hf"),
-        ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, "auto", "hf"),
-        ({"model_type": "llama"}, "auto", "hf"),
+        ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, "auto", "decoder"),
+        ({"model_type": "qwen3_moe"}, "auto", "decoder"),
+        ({"model_type": "llama"}, "auto", "decoder"),
+        ({"model_type": "llama"}, "hf", "hf"),
+        ({"model_type": "mistral"}, "auto", "hf"),
     ],
 )
 def test_choose_target_impl(config, impl, expected):
-    assert choose_target_impl(config, "x/config.json", impl) == expected
+    assert choose_target_impl(config, "x/config.json", impl).name == expected
 
 
 def test_unsupported_architectures_named():
@@ -113,6 +104,8 @@ def test_unsupported_architectures_named():
         )
     with pytest.raises(UnsupportedModelError, match="use impl='mla_moe'"):
         choose_target_impl({"model_type": "kimi_k2"}, "x/config.json", "hf")
+    with pytest.raises(UnsupportedModelError, match="impl='decoder'.*model_type='deepseek_v3'"):
+        choose_target_impl({"model_type": "deepseek_v3"}, "x/config.json", "decoder")
     with pytest.raises(ValueError, match="impl='fast'"):
         choose_target_impl({"model_type": "llama"}, "x/config.json", "fast")
 
@@ -209,3 +202,10 @@ def test_load_drafter_checks_then_delegates(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=str(tmp_path / "config.json")):
         load_drafter(tmp_path, target)
     assert len(calls) == 1
+
+
+def test_the_cli_offers_every_target_implementation():
+    from ddtree.commands._decode import TARGET_IMPL_CHOICES
+    from ddtree.models import TARGET_IMPLS
+
+    assert TARGET_IMPL_CHOICES == ("auto", *TARGET_IMPLS)

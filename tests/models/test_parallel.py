@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.engine.helpers import TINY, tiny_mla_target
+from tests.engine.helpers import TINY, per_expert, tiny_mla_target
 from tests.trees import make_tree
 
 from ddtree.models.checkpoint import CheckpointError, CheckpointSlices, save_safetensors
@@ -25,7 +25,7 @@ from ddtree.models.parallel import (
 )
 from ddtree.perf.cost import DEPLOYMENTS, collectives_per_forward
 from ddtree.perf.model import shape_from_config
-from ddtree.tree.layout import pack_bits, verify_layout
+from ddtree.tree.layout import pack_bits
 
 TOL = 1e-5
 # 4 heads, dense intermediate 48, 8 experts of intermediate 16, one shared expert
@@ -45,20 +45,7 @@ def fused_ckpt(tmp_path_factory):
 def per_expert_ckpt(fused_ckpt, tmp_path_factory):
     """The same weights with experts stored one by one (published DeepSeek/Kimi layout)."""
     whole = MlaMoeTarget.from_pretrained(fused_ckpt)
-    state = {}
-    for name, tensor in whole.model.state_dict().items():
-        if name.endswith("experts.gate_up_proj"):
-            base = name.removesuffix("gate_up_proj")
-            for e, w in enumerate(tensor):
-                gate, up = w.chunk(2)
-                state[f"{base}{e}.gate_proj.weight"] = gate
-                state[f"{base}{e}.up_proj.weight"] = up
-        elif name.endswith("experts.down_proj"):
-            base = name.removesuffix("down_proj")
-            for e, w in enumerate(tensor):
-                state[f"{base}{e}.down_proj.weight"] = w
-        else:
-            state[name] = tensor
+    state = per_expert(whole.model.state_dict())
     path = tmp_path_factory.mktemp("tiny_per_expert")
     save_safetensors(path, state, TINY)
     return path
@@ -220,15 +207,10 @@ def test_unpack_bits_inverts_pack_bits(m, seed):
 
 @pytest.mark.parametrize("m", [1, 7, 64, 65, 130])
 def test_tree_payload_round_trip(m):
-    """What rank 0 sends for a verify rebuilds the same tree and the same layout."""
+    """What rank 0 sends for a verify rebuilds the same tree (each rank lays it out itself)."""
     g = torch.Generator().manual_seed(m)
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, m)]
     tree = make_tree(torch.randint(0, 1000, (m,), generator=g).tolist(), parents)
-    start = 17
-    layout = verify_layout(tree, start)
-    payload = encode_tree(tree, layout)
-    got_tree, got_layout = decode_tree(payload, m, start, torch.float32)
+    got_tree = decode_tree(encode_tree(tree), m)
     for name in ("tokens", "parents", "depth", "visibility"):
         assert torch.equal(getattr(got_tree, name), getattr(tree, name)), name
-    assert torch.equal(got_layout.attn_mask, layout.attn_mask)
-    assert torch.equal(got_layout.position_ids, layout.position_ids)

@@ -116,8 +116,17 @@ def test_engine_mode_and_bucket_checks():
         EnginePlan("compiled", ())
 
 
-def test_the_transformers_target_refuses_compiled_mode_by_name():
+def test_the_transformers_target_refuses_compiled_mode_by_name_before_compiling(monkeypatch):
+    """The engine checks the declared engine modes once, before set_engine_mode runs."""
+    from ddtree.engine import generate
+
     target = tiny_hf_target("qwen3")
-    with pytest.raises(EngineModeError, match="impl hf, eager only.*--engine-mode eager"):
-        target.set_engine_mode(EnginePlan("compiled", (9,), 64))
-    assert target.set_engine_mode(EnginePlan()) == 0.0
+    calls = []
+    monkeypatch.setattr(target, "set_engine_mode", lambda plan: calls.append(plan) or 0.0)
+    with pytest.raises(
+        EngineModeError, match=r"'compiled' is not available for .*\(hf\) \(runs: eager\)"
+    ):
+        generate(target, None, [1, 2, 3], DecodeConfig("ar", engine_mode="compiled"))
+    assert calls == []
+    generate(target, None, [1, 2, 3], DecodeConfig("ar", max_new_tokens=2))
+    assert [p.mode for p in calls] == ["eager"]

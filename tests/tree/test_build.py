@@ -6,11 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.tree.reference import build_tree_ref, visibility_ref
 
 from ddtree.tree import build_tree, build_trees, load_backend
-from ddtree.tree.backends import BackendUnavailable
 from ddtree.tree.build import _candidate_pairs, _pair_count
-from ddtree.tree.reference import build_tree_ref, visibility_ref
+from ddtree.tree.types import BackendUnavailable
 
 
 def _builders():

@@ -3,6 +3,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.tree.reference import accept_ref, compaction_ref, mask_ref
 
 from ddtree.tree import (
     accept_greedy,
@@ -17,7 +18,6 @@ from ddtree.tree import (
     topk_logprobs,
     verify_layout,
 )
-from ddtree.tree.reference import accept_ref, compaction_ref, mask_ref
 
 
 def _tree(seed, n_depth=4, k=4, budget=12, vocab=6):

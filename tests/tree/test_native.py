@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.tree.reference import accept_ref, build_tree_ref, mask_ref
 
 from ddtree.tree import (
     LayoutBuffer,
@@ -26,9 +27,8 @@ from ddtree.tree import (
 )
 from ddtree.tree import backends as backend_module
 from ddtree.tree.accept import accept_greedy_torch
-from ddtree.tree.backends import BackendUnavailable
-from ddtree.tree.layout import fill_layout_torch
-from ddtree.tree.reference import accept_ref, build_tree_ref, mask_ref
+from ddtree.tree.mask import fill_layout_torch
+from ddtree.tree.types import BackendUnavailable
 
 INF = float("-inf")
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -155,24 +155,26 @@ def _tree(seed, budget=40, block=6, vocab=30):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("start, rows, cols", [(0, None, None), (7, None, None), (5, 50, 70)])
-def test_native_layout_equals_torch_and_the_reference(dtype, start, rows, cols):
+@pytest.mark.parametrize("start", [0, 7])
+def test_native_layout_equals_torch_and_the_reference(dtype, start):
     tree = _tree(4)
     m = tree.n_nodes
-    rows, cols = rows or m, cols or start + m
     masks, positions = [], []
     for fill in (_native().fill_layout, fill_layout_torch):
-        mask = torch.full((1, 1, rows, cols), float("nan"), dtype=dtype)  # stale contents
-        pos = torch.full((rows,), -5, dtype=torch.int64)
+        mask = torch.full((1, 1, m, start + m), float("nan"), dtype=dtype)  # stale contents
+        pos = torch.full((m,), -5, dtype=torch.int64)
         fill(tree.visibility, tree.depth, start, mask, pos)
         masks.append(mask)
         positions.append(pos)
     assert torch.equal(_bits(masks[0]), _bits(masks[1]))
     assert torch.equal(positions[0], positions[1])
     hidden = float(torch.finfo(dtype).min)
-    ref = mask_ref(tree.parents.numpy(), start, hidden, rows, cols)
+    ref = mask_ref(tree.parents.numpy(), start, hidden)
     assert np.array_equal(masks[0][0, 0].double().numpy(), ref)
-    assert positions[0].tolist() == (start + tree.depth).tolist() + [start] * (rows - m)
+    assert positions[0].tolist() == (start + tree.depth).tolist()
+    for fill in (_native().fill_layout, fill_layout_torch):  # the exact shape only
+        with pytest.raises(ValueError, match=r"mask \[\d+, \d+\] is not"):
+            fill(tree.visibility, tree.depth, start, torch.zeros(1, 1, m + 1, start + m), pos)
     assert not torch.signbit(masks[0][masks[0] == 0]).any()  # visible is +0.0
 
 
@@ -190,10 +192,6 @@ def test_layout_buffer_reused_across_steps_equals_fresh_layouts():
         assert reused.attn_mask.data_ptr() == buf.mask.data_ptr()  # no new storage
         assert torch.equal(_bits(reused.attn_mask), _bits(fresh.attn_mask)), step
         assert torch.equal(reused.position_ids, fresh.position_ids)
-        static = verify_layout(tree, start, out=buf, static=True)
-        assert static.attn_mask.shape == (1, 1, 41, 200) and static.position_ids.shape == (41,)
-        m = tree.n_nodes
-        assert torch.equal(static.attn_mask[..., :m, : start + m], fresh.attn_mask)
 
 
 def test_layout_errors_name_the_problem():
@@ -202,8 +200,6 @@ def test_layout_errors_name_the_problem():
         verify_layout(tree, 100, out=LayoutBuffer(11, 110))
     with pytest.raises(ValueError, match="dtype"):
         verify_layout(tree, 0, torch.float16, out=LayoutBuffer(11, 20))
-    with pytest.raises(ValueError, match="needs out=LayoutBuffer"):
-        verify_layout(tree, 0, static=True)
     with pytest.raises(ValueError, match="rows <= cols"):
         LayoutBuffer(8, 4)
     with pytest.raises(ValueError, match="start"):

@@ -1,17 +1,21 @@
-"""The decode loop: one loop for every proposal policy (see ``ddtree.engine.policies``).
+"""The decode loop: one loop for every policy (``ddtree.vocab.Policy``), propose -> verify ->
+accept.
 
-A step: ``draft`` (drafter forward over the new context and the block ``[root, MASK x (B-1)]``)
--> ``topk`` -> ``build`` (best-first tree) -> ``layout`` -> ``verify`` (one target forward over
-the M tree tokens) -> ``accept`` (walk the tree by match with the target's token at every
-node; greedy or sampled) -> ``commit`` (keep the accepted path's KV entries). The step
-commits ``tau`` tokens: the accepted draft nodes and the bonus token, which becomes the next
-root. The first token after the prompt comes from the prefill's last logits.
+A step: the request's proposer (``ddtree.engine.propose``, chosen once from the policy) builds
+the tree: ``draft`` (drafter forward over the new context and the block
+``[root, MASK x (B-1)]``) -> ``topk`` -> ``build`` (best-first tree), or the root alone without
+a drafter; then ``layout`` -> ``verify`` (one target forward over the M tree tokens) ->
+``accept`` (the request's sampler, ``ddtree.engine.sample``, walks the tree by match with the
+target's token at every node; greedy or sampled) -> ``commit`` (keep the accepted path's KV
+entries; the proposer sees their hidden states). The step commits ``tau`` tokens: the
+accepted draft nodes and the bonus token, which becomes the next root. The first token after
+the prompt comes from the prefill's last logits.
 
 Layout: the engine asks the target for what its verify takes (``Target.layout``: positions and
 the ancestor-only additive mask of ``ddtree.tree.verify_layout``, filled into a ``LayoutBuffer``
 reused across steps, in eager mode; the tree copied into preallocated static inputs in compiled
-mode) and hands it to ``Target.verify``, so it is
-timed as the ``layout`` stage, apart from the target forward.
+mode) and hands it to ``Target.verify``, so it is timed as the ``layout`` stage, apart from the
+target forward.
 
 Engine mode (``DecodeConfig.engine_mode``, see ``ddtree.models.static``): ``eager`` or
 ``compiled``; the loop is the same, the models run their forwards compiled at static shapes.
@@ -27,12 +31,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree import tree as tree_core
-from ddtree.engine.policies import Policy, get_policy, root_tree
+from ddtree.engine.propose import check_runnable, proposer_for
+from ddtree.engine.sample import sampler_for
 from ddtree.engine.stop import StopCondition
 from ddtree.engine.timing import StageClock, StepTimings
 from ddtree.models.base import Drafter, Target
-from ddtree.models.static import EnginePlan, check_engine_mode
+from ddtree.models.static import (
+    EnginePlan,
+    check_compile_scope,
+    check_engine_mode,
+    check_engine_support,
+)
+from ddtree.vocab import DEFAULT_POLICY, get_policy
 
 MAX_BUDGET = 8192
 """Largest budget N: the verify forward's width is M = N + 1 and its additive mask alone is
@@ -46,7 +56,7 @@ class ContextLengthError(ValueError):
 
 @dataclass
 class DecodeConfig:
-    policy: str = "ddtree"
+    policy: str = DEFAULT_POLICY  # a name in ddtree.vocab.POLICIES
     block_size: int = 8  # B
     budget: int = 32  # N (ddtree only; chain uses B-1, ar 0)
     max_new_tokens: int = 64
@@ -58,10 +68,13 @@ class DecodeConfig:
     eos_token_ids: tuple[int, ...] | None = None  # None: the target's
     engine_mode: str = "eager"  # "eager" | "compiled" (ddtree.models.static)
     buckets: tuple[int, ...] = ()  # compiled verify width buckets; (): the policy's own width
+    compile_scope: str = "model"  # compiled: the target's whole forward, or each "layer"
 
     def __post_init__(self) -> None:
         policy = get_policy(self.policy)
+        check_runnable(policy)
         check_engine_mode(self.engine_mode)
+        check_compile_scope(self.compile_scope)
         self.buckets = tuple(int(b) for b in self.buckets)
         if any(b < 1 for b in self.buckets):
             raise ValueError(f"buckets must be >= 1, got {list(self.buckets)}")
@@ -87,7 +100,7 @@ class DecodeConfig:
 
     def width_buckets(self) -> tuple[int, ...]:
         """Verify widths the compiled graphs are built for: ``buckets``, else the policy's
-        width M (1 for ar, B for chain, N + 1 for ddtree)."""
+        width M = its budget + 1 (1 for ar, B for chain, N + 1 for ddtree)."""
         policy = get_policy(self.policy)
         return self.buckets or (policy.budget(self.block_size, self.budget) + 1,)
 
@@ -119,41 +132,33 @@ def generate(
     tokenizer=None,
     on_commit: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
-    """Decode one request. ``on_commit(tokens)`` is called with each step's new tokens."""
+    """Decode one request. ``on_commit(tokens)`` is called with each step's new tokens (an
+    exception raised there ends the request and propagates)."""
     policy = get_policy(config.policy)
-    if policy.needs_drafter and drafter is None:
-        raise ValueError(f"policy {policy.name!r} needs a drafter")
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.int64).flatten()  # [T] int64
-    if prompt.numel() == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    block = config.block_size if policy.needs_drafter else 1
-    if policy.needs_drafter and drafter.block_size != config.block_size:
-        raise ValueError(
-            f"block_size {config.block_size} != the drafter's block_size {drafter.block_size}"
-        )
-    max_len = _check_context(target, int(prompt.numel()), config.max_new_tokens, block)
+    device = torch.device(target.device)
+    proposer = proposer_for(policy, drafter, config.block_size, config.budget, device)
+    prompt = prompt_tensor(prompt_ids)  # [T] int64
+    max_len = check_context(target, int(prompt.numel()), config)
     eos = target.info.eos_token_ids if config.eos_token_ids is None else config.eos_token_ids
     stop_condition = StopCondition(
         config.max_new_tokens, frozenset(eos), config.stop_strings, tokenizer
     )
-    device = _device_of(target)
-    generator = None
-    if not config.greedy:
-        generator = torch.Generator(device=device).manual_seed(config.seed)
+    sampler = sampler_for(config.temperature, config.top_k, config.top_p, config.seed, device)
     clock = StageClock.for_device(device)
 
-    use_drafter = policy.needs_drafter  # (checked above: then there is a drafter)
-    target.set_capture_layers(list(drafter.target_layer_ids) if use_drafter else [])
-    plan = EnginePlan(config.engine_mode, config.width_buckets(), max_len)
+    models = [target, drafter] if policy.needs_drafter else [target]
+    described = [(f"{m.info.name} ({m.info.implementation})", m.engine_modes) for m in models]
+    check_engine_support(config.engine_mode, described)
+    target.set_capture_layers(list(proposer.capture_layers))
+    plan = EnginePlan(config.engine_mode, config.width_buckets(), max_len, config.compile_scope)
     compile_s = target.set_engine_mode(plan)  # resets the cache; EngineModeError if unsupported
-    if use_drafter:
-        compile_s += drafter.set_engine_mode(plan)
+    compile_s += proposer.set_engine_mode(plan)
 
     clock.begin()
     out = target.prefill(prompt.to(device))
-    root = _choose(out.logits[-1], config, generator)
+    root = sampler.first(out.logits[-1])
     prefill_s = clock.end(0).step_s
-    context_hidden = out.hidden  # [T, F] hidden of tokens committed, not yet seen by drafter
+    proposer.observe(out.hidden)
 
     tokens = [root]
     result = GenerationResult(
@@ -162,19 +167,17 @@ def generate(
     if on_commit is not None:
         on_commit([root])
     stop = stop_condition.scan(tokens, 0)  # the prefill's token can stop the request too
-    budget = policy.budget(config.block_size, config.budget)
     while stop is None:
         clock.begin()
-        tree = _propose(policy, drafter, context_hidden, root, budget, config, clock, device)
+        tree = proposer.propose(root, clock)  # stamps its own stages (draft, topk, build)
         layout = target.layout(tree)
         clock.mark("layout")
         out = target.verify(tree, layout)
         clock.mark("verify")
-        accept = _accept(tree, out.logits, config, generator)
+        accept = sampler.accept(tree, out.logits)
         clock.mark("accept")
         target.commit(accept.accepted)
-        if policy.needs_drafter:
-            context_hidden = out.hidden.index_select(0, accept.accepted.to(out.hidden.device))
+        proposer.observe(out.hidden, accept.accepted)
         clock.mark("commit")
         new = tree.tokens[accept.accepted[1:]].tolist() + [accept.bonus_token]
         root = accept.bonus_token
@@ -192,59 +195,49 @@ def generate(
     return result
 
 
-def _propose(
-    policy: Policy,
-    drafter: Drafter | None,
-    context_hidden: torch.Tensor | None,
-    root: int,
-    budget: int,
-    config: DecodeConfig,
-    clock: StageClock,
-    device: torch.device,
-):
-    if not policy.needs_drafter:
-        return root_tree(root, device)
-    logits = drafter.propose(context_hidden, root)  # [B-1, V]
-    clock.mark("draft")
-    k = policy.candidates(budget, int(logits.shape[-1]))
-    top = tree_core.topk_logprobs(logits, k)  # logprobs, tokens: [B-1, K] each
-    clock.mark("topk")
-    tree = tree_core.build_tree(root, top.logprobs, top.tokens, budget)
-    clock.mark("build")
-    return tree
+def prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """One request's token ids as a ``[T]`` int64 tensor. Accepted: a flat sequence of ints, a
+    ``[T]`` integer tensor, or one row ``[1, T]`` (what a tokenizer returns with
+    ``return_tensors="pt"``). A batch (``[[a...], [b...]]``, ``[2, T]``) is refused, never
+    flattened into one prompt: the engine decodes one request at a time."""
+    if isinstance(prompt_ids, torch.Tensor):
+        prompt = prompt_ids
+    else:
+        try:
+            prompt = torch.as_tensor(prompt_ids)
+        except (ValueError, TypeError, RuntimeError):  # ragged rows, strings, None
+            raise ValueError(
+                "prompt_ids: expected one prompt, a flat sequence of int token ids"
+            ) from None
+    if prompt.dim() == 2 and prompt.shape[0] == 1:
+        prompt = prompt[0]
+    if prompt.dim() == 0:
+        raise ValueError("prompt_ids: expected a sequence of token ids, got one number")
+    if prompt.dim() != 1:
+        batch = prompt.shape[0] if prompt.dim() == 2 else None
+        what = f"a batch of {batch} prompts" if batch else f"{prompt.dim()} dimensions"
+        raise ValueError(
+            f"prompt_ids: generate decodes one request, got {what} (shape "
+            f"{list(prompt.shape)}); call it once per prompt (ddtree.engine.sweep decodes a "
+            "prompt set)"
+        )
+    if prompt.numel() == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
+        raise ValueError(f"prompt_ids: expected integer token ids, got {prompt.dtype}")
+    return prompt.to(torch.int64)
 
 
-def _accept(tree, logits: torch.Tensor, config: DecodeConfig, generator):
-    # logits [M, V]: the target's next-token logits at every tree node
-    if config.greedy:
-        return tree_core.accept_greedy(tree, logits.argmax(dim=-1).to(tree.tokens.device))
-    return tree_core.accept_sampled(
-        tree, logits, config.temperature, config.top_k, config.top_p, generator
-    )
-
-
-def _choose(logits: torch.Tensor, config: DecodeConfig, generator) -> int:
-    # logits [V]: the target's next-token logits after the last committed token
-    if config.greedy:
-        return int(logits.argmax())
-    return int(
-        tree_core.sample_token(logits, config.temperature, config.top_k, config.top_p, generator)
-    )
-
-
-def _check_context(target: Target, prompt_len: int, max_new_tokens: int, block: int) -> int:
-    """Positions the request may reach; refuses what does not fit the target."""
+def check_context(target: Target, prompt_len: int, config: DecodeConfig) -> int:
+    """Positions a request may reach; refuses (``ContextLengthError``) what does not fit the
+    target. ``generate`` calls it before any forward; a server calls it before queueing."""
+    block = get_policy(config.policy).block(config.block_size)
     limit = target.info.max_position
     # the last step verifies up to B tokens after the committed ones
-    needed = prompt_len + max_new_tokens + block
+    needed = prompt_len + config.max_new_tokens + block
     if limit and needed > limit:
         raise ContextLengthError(
-            f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} + block {block} "
-            f"needs {needed} positions; {target.info.name} has max_position {limit}"
+            f"prompt of {prompt_len} tokens + max_new_tokens {config.max_new_tokens} + block "
+            f"{block} needs {needed} positions; {target.info.name} has max_position {limit}"
         )
     return needed
-
-
-def _device_of(target: Target) -> torch.device:
-    device = getattr(target, "device", None)
-    return torch.device(device) if device is not None else torch.device("cpu")

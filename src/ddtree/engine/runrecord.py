@@ -9,16 +9,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ddtree.engine.loop import DecodeConfig, GenerationResult
-from ddtree.records import (
-    MODEL_STAGES,
-    STEP_STAGES,
-    EngineMode,
-    EngineRun,
-    HardwareInfo,
-    Provenance,
-)
+from ddtree.provenance import this_hardware, this_process
+from ddtree.records import EngineRun
 from ddtree.tree import backend as tree_backend
+from ddtree.vocab import MODEL_STAGES, STEP_STAGES, EngineMode, get_policy
 
 
 def model_config(info, path: str | Path | None) -> dict[str, Any]:
@@ -83,21 +80,20 @@ def engine_run_record(
     device: str = "cpu",
     prompt_lens: Sequence[int] = (),
     extra: dict[str, Any] | None = None,
-    engine_mode: EngineMode | str | None = None,
-    producer: str = "ddtree.engine",
     compile_s: float | None = None,
 ) -> EngineRun:
     """The engine's record builder. ``extra`` keys go to the record's config as they are.
-    ``engine_mode`` None: the config's. ``compile_s``: compile time spent outside ``results``
-    (a sweep's warm-up request); default the results' own."""
-    engine_mode = config.engine_mode if engine_mode is None else engine_mode
-    compiled = engine_mode != EngineMode.EAGER
+    ``compile_s``: compile time spent outside ``results`` (a sweep's warm-up request); default
+    the results' own. ``threads`` is torch's CPU thread count as the record is made (the
+    runs that feed one calibration or one diagnosis should agree on it)."""
+    policy = get_policy(config.policy)
+    compiled = config.engine_mode != EngineMode.EAGER
     return EngineRun(
-        hardware=HardwareInfo.collect(),
-        provenance=Provenance.here(producer),
+        hardware=this_hardware(),
+        provenance=this_process("ddtree.engine"),
         policy=config.policy,
-        block_size=config.block_size if config.policy != "ar" else 1,
-        budget={"ar": 0, "chain": config.block_size - 1}.get(config.policy, config.budget),
+        block_size=policy.block(config.block_size),
+        budget=policy.budget(config.block_size, config.budget),
         temperature=config.temperature,
         top_k=config.top_k,
         top_p=config.top_p,
@@ -107,11 +103,12 @@ def engine_run_record(
         drafter=None if drafter_info is None else model_config(drafter_info, drafter_path),
         dtype=target_info.dtype,
         device=device,
-        engine_mode=engine_mode,
+        engine_mode=config.engine_mode,
         width_buckets=list(config.width_buckets()) if compiled else [],
         compile_s=sum(r.compile_s for r in results) if compile_s is None else compile_s,
         tree_backend=tree_backend(),
         tp=getattr(target_info, "tp", 1),
+        threads=torch.get_num_threads(),
         prompt_set={"count": len(results), "lengths": list(prompt_lens)},
         config_extra=dict(extra or {}),
         points=step_points(results, prompt_lens),

@@ -8,12 +8,14 @@ so that load drifting on a shared machine during the run hits every configuratio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from ddtree.engine.loop import DecodeConfig, GenerationResult, generate
 from ddtree.engine.runrecord import summarize
 from ddtree.models.base import Drafter, Target
+from ddtree.vocab import AR, get_policy
 
 
 @dataclass
@@ -25,23 +27,32 @@ class SweepPoint:
     identical_to_ar: bool | None
 
 
-def sweep(
+def sweep_rounds(
     target: Target,
     drafter: Drafter | None,
     prompts: Sequence[Sequence[int]],
     configs: Sequence[DecodeConfig],
     tokenizer=None,
-    on_result: Callable[[DecodeConfig, int], None] | None = None,
+    on_result: Callable[[DecodeConfig, int, GenerationResult], None] | None = None,
     warmup_tokens: int = 8,
-) -> list[SweepPoint]:
-    """Decode every prompt under every config, the configs taking turns on each prompt.
-    ``on_result(config, prompt_index)`` is called after each generation (for progress bars).
-    A short untimed warm-up per config first; in compiled mode it compiles the config's
-    graphs, and ``summary["compile_s"]`` says how long that took (never part of a step)."""
+    on_warmup: Callable[[DecodeConfig], None] | None = None,
+) -> Iterator[list[SweepPoint]]:
+    """Decode every prompt under every config, the configs taking turns on each prompt; after
+    each prompt (a round: every config decoded it), yield the points over the prompts so far.
+    A caller that stops early (an interrupt) keeps the last round's points: every config over
+    the same prompts, so their ratios stay comparable.
+
+    ``on_result(config, prompt_index, result)`` is called after each generation (progress
+    bars; a synthetic oracle drafter learns its reference from the AR result, which comes
+    first on each prompt when AR is listed first). A short untimed warm-up per config first
+    (``on_warmup(config)`` before each); in compiled mode it compiles the config's graphs, and
+    ``summary["compile_s"]`` says how long that took (never part of a step)."""
     if not prompts:
         raise ValueError("no prompts to decode")
     compile_s = []  # generate ignores the drafter under a policy that needs none (ar)
     for config in configs:
+        if on_warmup is not None:
+            on_warmup(config)
         warm = replace(config, max_new_tokens=min(warmup_tokens, config.max_new_tokens))
         compile_s.append(generate(target, drafter, prompts[0], warm, tokenizer).compile_s)
     results: list[list[GenerationResult]] = [[] for _ in configs]
@@ -49,12 +60,33 @@ def sweep(
         for config, out in zip(configs, results, strict=True):
             out.append(generate(target, drafter, prompt, config, tokenizer))
             if on_result is not None:
-                on_result(config, i)
+                on_result(config, i, out[-1])
+        yield _points(configs, results, compile_s)
+
+
+def sweep(
+    target: Target,
+    drafter: Drafter | None,
+    prompts: Sequence[Sequence[int]],
+    configs: Sequence[DecodeConfig],
+    tokenizer=None,
+    on_result: Callable[[DecodeConfig, int, GenerationResult], None] | None = None,
+    warmup_tokens: int = 8,
+    on_warmup: Callable[[DecodeConfig], None] | None = None,
+) -> list[SweepPoint]:
+    """``sweep_rounds`` to the end: the points over every prompt."""
+    rounds = sweep_rounds(
+        target, drafter, prompts, configs, tokenizer, on_result, warmup_tokens, on_warmup
+    )
+    return deque(rounds, maxlen=1)[0]
+
+
+def _points(configs, results, compile_s) -> list[SweepPoint]:
     points = []
     for config, out, warm_s in zip(configs, results, compile_s, strict=True):
         summary = summarize(out)
         summary["compile_s"] = warm_s + sum(r.compile_s for r in out)
-        points.append(SweepPoint(config, out, summary, None))
+        points.append(SweepPoint(config, list(out), summary, None))
     _compare_with_ar(points)
     return points
 
@@ -74,7 +106,7 @@ def _compare_with_ar(points: list[SweepPoint]) -> None:
                 c.eos_token_ids,
                 c.engine_mode,
             )
-            if a.policy == "ar" and a.greedy and comparable:
+            if get_policy(a.policy) is AR and a.greedy and comparable:
                 point.identical_to_ar = all(
                     r.tokens == b.tokens for r, b in zip(point.results, ar.results, strict=True)
                 )
@@ -82,11 +114,11 @@ def _compare_with_ar(points: list[SweepPoint]) -> None:
 
 
 def speedups(points: Sequence[SweepPoint]) -> dict[int, float | None]:
-    """tokens/s of each point over the first AR point's in the same engine mode (DESIGN.md:
-    speedup vs AR is on the same hardware and engine mode); index -> ratio, None without."""
+    """tokens/s of each point over the first AR point's in the same engine mode (a speedup vs
+    AR is on the same hardware and engine mode); index -> ratio, None without."""
     base: dict[str, float] = {}
     for p in points:
-        if p.config.policy == "ar":
+        if get_policy(p.config.policy) is AR:
             base.setdefault(p.config.engine_mode, p.summary["tokens_per_s"])
     return {
         i: (p.summary["tokens_per_s"] / base[p.config.engine_mode])

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.records import MODEL_STAGES, STEP_STAGES, Stage
+from ddtree.vocab import STEP_STAGES, Stage
 
 
 @dataclass
@@ -18,10 +18,6 @@ class StepTimings:
     step_s: float
     stage_s: dict[Stage, float]
     tau: int
-
-    @property
-    def overhead_s(self) -> float:
-        return self.step_s - sum(self.stage_s[s] for s in MODEL_STAGES)
 
 
 @dataclass

@@ -1,63 +1,130 @@
 """Targets and drafters behind two small protocols (see ``ddtree.models.base``).
 
-Entry points: :func:`load_target` (our MLA+MoE model for DeepSeek-V3 / Kimi-K2 configs, the
-transformers wrapper for any other causal LM, ``impl`` forces either) and :func:`load_drafter`
-(a z-lab-format DFlash drafter, checked against its target before loading).
+Entry points: :func:`load_target` (the implementation chosen by the checkpoint's architecture
+from :data:`TARGET_IMPLS`, ``impl`` forces one) and :func:`load_drafter` (a z-lab-format DFlash
+drafter, checked against its target before loading). :func:`target_engine_modes` says which
+engine modes a checkpoint will run in, before anything is loaded or compiled.
 
-Heavy modules (transformers, the implementations) are imported inside the functions, so that
-``import ddtree.models`` stays cheap.
+The registry imports its implementations (the architectures each serves come from them), never
+the reverse: the drafter checks they share live in ``ddtree.models.compat``. The transformers
+wrapper is imported only when it loads (transformers is slow to import).
 """
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ddtree.models.base import ModelInfo
+from ddtree.models import decoder, mla_moe
+from ddtree.models.compat import (
+    UnsupportedModelError,
+    check_drafter_compat,
+    drafter_target_layer_ids,
+)
+from ddtree.vocab import EngineMode
 
-# config.json model_type / architectures served by our MLA+MoE implementation.
-MLA_MOE_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
-MLA_MOE_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
-TARGET_IMPLS = ("auto", "mla_moe", "hf")
-DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
+BOTH_MODES = tuple(m.value for m in EngineMode)
+DRAFTER_ENGINE_MODES = BOTH_MODES  # the DFlash drafter runs in every engine mode
 
 
-class UnsupportedModelError(ValueError):
-    """A config.json whose architecture no implementation here can run."""
+@dataclass(frozen=True)
+class TargetImpl:
+    """One target implementation: the checkpoints it serves and what it can run."""
+
+    name: str
+    summary: str
+    target_class: str  # "module:Class", imported when loading
+    model_types: tuple[str, ...] = ()  # config.json model_type values chosen automatically
+    architectures: tuple[str, ...] = ()  # ... or architectures entries
+    engine_modes: tuple[str, ...] = BOTH_MODES
+    parallel: bool = False  # splits over --tp processes
+
+    def serves(self, config: dict) -> bool:
+        architectures = config.get("architectures") or []
+        return config.get("model_type") in self.model_types or any(
+            a in self.architectures for a in architectures
+        )
+
+    def load(self):
+        module, _, name = self.target_class.partition(":")
+        return getattr(importlib.import_module(module), name)
 
 
-def choose_target_impl(config: dict, source: str, impl: str = "auto") -> str:
-    """``"mla_moe"`` or ``"hf"`` for a target ``config.json`` dict (``source`` names the file).
+TARGET_IMPLS: dict[str, TargetImpl] = {
+    impl.name: impl
+    for impl in (
+        TargetImpl(
+            "mla_moe",
+            "our MLA+MoE model (DeepSeek-V3 / Kimi-K2 configs)",
+            "ddtree.models.mla_moe:MlaMoeTarget",
+            mla_moe.SUPPORTED_MODEL_TYPES,
+            mla_moe.ARCHITECTURES,
+            parallel=True,
+        ),
+        TargetImpl(
+            "decoder",
+            "our Qwen3 / Qwen3-MoE / Llama decoder",
+            "ddtree.models.decoder:DecoderTarget",
+            tuple(decoder.FAMILIES),
+            tuple(decoder.ARCHITECTURES.values()),
+        ),
+        TargetImpl(
+            "hf",
+            "the transformers wrapper (any causal LM transformers knows; eager only)",
+            "ddtree.models.hf:HFTarget",
+            engine_modes=("eager",),
+        ),
+    )
+}
+OUR_IMPLS = tuple(name for name, impl in TARGET_IMPLS.items() if impl.model_types)
 
-    ``auto``: our MLA+MoE for DeepSeek-V3 / Kimi-K2 configs (``model_type`` or
-    ``architectures``), the transformers wrapper for any other causal LM transformers knows.
+
+def choose_target_impl(config: dict, source: str, impl: str = "auto") -> TargetImpl:
+    """The implementation for a target ``config.json`` dict (``source`` names the file).
+
+    ``auto``: ours when one serves the architecture, else the transformers wrapper for any
+    causal LM transformers knows. Forcing one of ours on another architecture is an error
+    naming what it serves.
     """
-    if impl not in TARGET_IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {TARGET_IMPLS}")
+    if impl != "auto" and impl not in TARGET_IMPLS:
+        raise ValueError(f"impl={impl!r}: expected auto or one of {', '.join(TARGET_IMPLS)}")
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
-    is_mla_moe = model_type in MLA_MOE_MODEL_TYPES or any(
-        a in MLA_MOE_ARCHITECTURES for a in architectures
-    )
-    if impl == "mla_moe" or (impl == "auto" and is_mla_moe):
-        if not is_mla_moe:
+    ours = [TARGET_IMPLS[name] for name in OUR_IMPLS if TARGET_IMPLS[name].serves(config)]
+    if impl == "auto" and ours:
+        return ours[0]
+    if impl != "auto" and TARGET_IMPLS[impl].model_types:
+        chosen = TARGET_IMPLS[impl]
+        if not chosen.serves(config):
             raise UnsupportedModelError(
-                f"{source}: impl='mla_moe' needs model_type in {MLA_MOE_MODEL_TYPES} or "
-                f"architectures in {MLA_MOE_ARCHITECTURES}; got model_type={model_type!r}, "
-                f"architectures={architectures}"
+                f"{source}: impl={impl!r} ({chosen.summary}) needs model_type in "
+                f"{chosen.model_types} or architectures in {chosen.architectures}; got "
+                f"model_type={model_type!r}, architectures={architectures}"
             )
-        return "mla_moe"
+        return chosen
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        hint = " (the MLA+MoE implementation serves it: use impl='mla_moe')" if is_mla_moe else ""
+        hint = f" ({ours[0].summary} serves it: use impl={ours[0].name!r})" if ours else ""
+        supported = "; ".join(f"{i.name}: {i.summary}" for i in TARGET_IMPLS.values())
         raise UnsupportedModelError(
             f"{source}: model_type={model_type!r} (architectures={architectures}) is not a "
-            f"causal LM that transformers knows{hint}; supported: DeepSeek-V3 / Kimi-K2 "
-            f"configs (impl='mla_moe') and transformers causal LMs such as qwen3, llama"
+            f"causal LM that transformers knows{hint}; supported: {supported}"
         )
-    return "hf"
+    return TARGET_IMPLS["hf"]
+
+
+def target_engine_modes(path: str | Path, impl: str = "auto", tp: int = 1) -> tuple[str, ...]:
+    """The engine modes the target at ``path`` will run in, from its config.json alone (no
+    weights read): its implementation's, eager only when split over processes."""
+    from ddtree.models.checkpoint import read_config
+
+    path = Path(path)
+    chosen = choose_target_impl(read_config(path), str(path / "config.json"), impl)
+    return ("eager",) if tp > 1 else chosen.engine_modes
 
 
 def load_target(
@@ -82,73 +149,23 @@ def load_target(
     config = read_config(path)
     chosen = choose_target_impl(config, str(path / "config.json"), impl)
     if tp != 1 or ep != 1:
-        if chosen != "mla_moe":
+        if not chosen.parallel:
+            parallel = [i.name for i in TARGET_IMPLS.values() if i.parallel]
             raise UnsupportedModelError(
-                f"{path / 'config.json'}: tp={tp}, ep={ep} split our MLA+MoE target only "
-                f"(DeepSeek-V3 / Kimi-K2 configs); model_type={config.get('model_type')!r} "
-                f"runs on one process (tp=1)"
+                f"{path / 'config.json'}: tp={tp}, ep={ep} split the {', '.join(parallel)} "
+                f"target only (DeepSeek-V3 / Kimi-K2 configs); model_type="
+                f"{config.get('model_type')!r} ({chosen.name}) runs on one process (tp=1)"
             )
         from ddtree.models.parallel import load_parallel_target
 
         return load_parallel_target(path, tp, ep, dtype=dtype, device=device, **kwargs)
-    if chosen == "mla_moe":
-        from ddtree.models.mla_moe import MlaMoeTarget
+    target = chosen.load().from_pretrained(path, dtype=dtype, device=device, **kwargs)
+    from ddtree.models.linear import prepare_linears
+    from ddtree.models.target import CachedTarget
 
-        return MlaMoeTarget.from_pretrained(path, dtype=dtype, device=device, **kwargs)
-    from ddtree.models.hf import HFTarget
-
-    return HFTarget.from_pretrained(path, dtype=dtype, device=device, **kwargs)
-
-
-def drafter_target_layer_ids(config: dict) -> list[int]:
-    """``target_layer_ids`` of a DFlash ``config.json`` (``dflash_config`` first, then the top
-    level, else the reference default spread over ``num_target_layers``)."""
-    dflash = config.get("dflash_config") or {}
-    ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
-    if ids is not None:
-        return [int(i) for i in ids]
-    n_target, n_draft = config.get("num_target_layers"), config.get("num_hidden_layers")
-    if n_target is None or n_draft is None:
-        return []
-    if n_draft == 1:
-        return [n_target // 2]
-    # evenly from layer 1 to layer n_target - 3, as the DFlash reference picks them
-    first, last = 1, n_target - 3
-    return [round(first + i * (last - first) / (n_draft - 1)) for i in range(n_draft)]
-
-
-def check_drafter_compat(config: dict, target: ModelInfo, source: str) -> list[int]:
-    """Check a DFlash drafter ``config.json`` (``source``) against its target; returns the
-    target layer ids. Errors name the file, the field and the target."""
-    who = f"target {target.name!r} ({target.architecture})"
-    architectures = config.get("architectures") or []
-    if not any(a in DRAFTER_ARCHITECTURES for a in architectures):
-        raise UnsupportedModelError(
-            f"{source}: field architectures={architectures}, expected one of "
-            f"{DRAFTER_ARCHITECTURES} (a z-lab-format DFlash drafter)"
-        )
-    for field, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-        got = config.get(field)
-        if got is not None and int(got) != want:
-            raise ValueError(f"{source}: field {field}={got} but {who} has {field}={want}")
-    ids = drafter_target_layer_ids(config)
-    if not ids:
-        raise ValueError(
-            f"{source}: no dflash_config.target_layer_ids and no num_target_layers to derive them"
-        )
-    bad = [i for i in ids if not 0 <= i < target.num_layers]
-    if bad:
-        raise ValueError(
-            f"{source}: dflash_config.target_layer_ids {ids} include {bad}, outside "
-            f"0..{target.num_layers - 1} for {who} with {target.num_layers} layers"
-        )
-    mask_id = (config.get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
-    if mask_id is not None and not 0 <= int(mask_id) < target.vocab_size:
-        raise ValueError(
-            f"{source}: dflash_config.mask_token_id={mask_id} outside the vocabulary of {who} "
-            f"(vocab_size={target.vocab_size})"
-        )
-    return ids
+    if isinstance(target, CachedTarget):  # ours (the transformers wrapper stays as it is)
+        prepare_linears(target)
+    return target
 
 
 def load_drafter(
@@ -171,8 +188,10 @@ def load_drafter(
 __all__ = [
     "UnsupportedModelError",
     "check_drafter_compat",
+    "TARGET_IMPLS",
     "choose_target_impl",
     "drafter_target_layer_ids",
     "load_drafter",
     "load_target",
+    "target_engine_modes",
 ]

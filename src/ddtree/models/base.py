@@ -44,6 +44,11 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     tp: int = 1  # ranks the model is split over (tensor parallel)
     ep: int = 1  # groups its routed experts are split into (expert parallel)
+    # how the checkpoint stored its weights ("": floats), e.g. "fp8 e4m3 weights, 128x128
+    # block scales"; they run dequantized into ``dtype`` (ddtree.models.quant)
+    quantization: str = ""
+    # the kernel of its linear layers (ddtree.models.linear): "aten" or "onednn-packed"
+    linear_kernel: str = "aten"
 
 
 @dataclass
@@ -56,7 +61,11 @@ class TargetOutput:
 class Target(Protocol):
     info: ModelInfo
     seq_len: int  # committed tokens in the KV cache
-    engine_modes: tuple[str, ...]  # the engine modes it runs (ddtree.records.EngineMode values)
+    engine_modes: tuple[str, ...]  # the engine modes it runs (ddtree.vocab.EngineMode values)
+    device: torch.device  # where its forwards run (trees and tokens are moved there)
+    dtype: torch.dtype  # its parameters' and caches' dtype
+    embed_tokens: torch.nn.Module  # the input embedding (a DFlash drafter shares it)
+    lm_head: torch.nn.Module  # the output head (likewise)
 
     def set_capture_layers(self, layer_ids: list[int]) -> None:
         """Hidden states to return with every forward (HF ``hidden_states`` indexing: 0 is the

@@ -145,6 +145,10 @@ class CheckpointSlices:
             for name, file in self._file_of.items()
         }
 
+    def file_of(self, name: str) -> Path:
+        """The safetensors file holding tensor ``name`` (the directory when none does)."""
+        return self._file_of.get(name, self.path)
+
     def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
         """Tensor ``name``, or the part ``index`` (one slice per leading dimension) of it."""
         if name not in self._file_of:

@@ -37,17 +37,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.base import ModelInfo, NonFiniteLogitsError
-from ddtree.models.mla_moe import RMSNorm  # the same float32-accumulating norm
+from ddtree.models.layers import GatedMLP, RMSNorm
 from ddtree.models.static import (
     ENGINE_MODES,
+    CompiledForward,
     EnginePlan,
     KeyPositions,
     cache_input,
-    compile_forward,
     kv_bucket,
     mark_key_dim,
-    replay,
-    timed,
 )
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -115,7 +113,7 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> DFlashConfig:
-        from ddtree.models import drafter_target_layer_ids
+        from ddtree.models.compat import drafter_target_layer_ids
 
         def need(name: str):
             if cfg.get(name) is None:
@@ -310,22 +308,11 @@ class CacheView:
         )
 
 
-class MLP(nn.Module):
-    def __init__(self, c: DFlashConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Layer(nn.Module):
     def __init__(self, c: DFlashConfig) -> None:
         super().__init__()
         self.self_attn = Attention(c)
-        self.mlp = MLP(c)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -472,6 +459,7 @@ class DFlashDrafter:
     eagerly first) and masks the padded keys."""
 
     engine_modes = ENGINE_MODES
+    plain_linears: tuple[str, ...] = ()  # as the target's (ddtree.models.linear)
 
     @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
     def __init__(
@@ -535,8 +523,8 @@ class DFlashDrafter:
         self._ensure(kv_bucket(plan.max_len + 2 * self.block_size))
         if self._compiled is not None:
             return 0.0
-        self._compiled = compile_forward(_draft_step, self.device)
-        compile_s = timed(lambda: self._propose_static(self._context[0, :1], 0, warm_up=True))
+        self._compiled = CompiledForward(_draft_step, self.device)
+        compile_s = self._compiled.warm_up(lambda: self._step(self._context[0, :1], 0))
         self.reset()
         return compile_s
 
@@ -557,29 +545,7 @@ class DFlashDrafter:
             raise ValueError(
                 f"root_token={root_token} outside the vocabulary 0..{c.vocab_size - 1}"
             )
-        context_hidden = context_hidden.to(self.device, self.dtype)
-        if self.engine.mode == "compiled":
-            logits = self._propose_static(context_hidden, int(root_token))
-        else:
-            end = self.seen + t_new
-            self._ensure(end + c.block_size)
-            self._seen_t.fill_(self.seen)
-            self._block_start.fill_(end)
-            self._block[0, 0] = int(root_token)
-            logits = _draft_step(
-                self.model,
-                self.embed_tokens,
-                self.lm_head,
-                context_hidden[None],
-                self._seen_t,
-                self._block,
-                self._block_start,
-                self._key_positions(end + c.block_size),
-                self._k,
-                self._v,
-                masked=False,
-            )
-            self.seen = end
+        logits = self._step(context_hidden.to(self.device, self.dtype), int(root_token))
         if self.check_finite and not torch.isfinite(logits.sum(dtype=torch.float32)):
             raise NonFiniteLogitsError(
                 f"drafter {self.info.name}: NaN/inf logits for the block after {self.seen} "
@@ -634,13 +600,12 @@ class DFlashDrafter:
             )
         return logits
 
-    def _propose_static(
-        self, context_hidden: torch.Tensor, root_token: int, warm_up: bool = False
-    ) -> torch.Tensor:
-        """Compiled propose: the new context padded to B rows (a longer one, the prompt,
-        appended eagerly first), the block right after the real rows, padded keys masked."""
-        b = self.block_size
-        if context_hidden.shape[0] > b:
+    def _step(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        """One propose, eager or compiled: one input pipeline and one forward
+        (:func:`_draft_step`). Compiled mode only pads: the new context to B rows (a longer
+        one, the prompt, appended first), the keys to a whole bucket, hiding what is padded."""
+        b, static = self.block_size, self.engine.mode == "compiled"
+        if static and context_hidden.shape[0] > b:
             head = context_hidden[:-b]
             self._ensure(self.seen + head.shape[0])
             self._seen_t.fill_(self.seen)
@@ -649,29 +614,34 @@ class DFlashDrafter:
             context_hidden = context_hidden[-b:]
         t_new = int(context_hidden.shape[0])
         end = self.seen + t_new
-        keys = kv_bucket(end + b)
+        keys = kv_bucket(end + b) if static else end + b
         self._ensure(keys)
-        self._context[0, :t_new] = context_hidden
-        self._context[0, t_new:] = 0
+        context = context_hidden[None]  # [1, T_new, F]
+        if static:
+            self._context[0, :t_new] = context_hidden
+            self._context[0, t_new:] = 0
+            context = self._context  # [1, B, F]
+            cache_input(self._k, capacity_dim=1)
+            cache_input(self._v, capacity_dim=1)
         self._seen_t.fill_(self.seen)
         self._block_start.fill_(end)
         self._block[0, 0] = root_token
-        cache_input(self._k, capacity_dim=1)
-        cache_input(self._v, capacity_dim=1)
-        logits = replay(
-            self._compiled,
+        key_positions = self._key_positions(keys)
+        forward = _draft_step
+        if static:
+            key_positions, forward = mark_key_dim(key_positions), self._compiled
+        logits = forward(
             self.model,
             self.embed_tokens,
             self.lm_head,
-            self._context,
+            context,
             self._seen_t,
             self._block,
             self._block_start,
-            mark_key_dim(self._key_positions(keys)),
+            key_positions,
             self._k,
             self._v,
-            masked=True,
-            warm_up=warm_up,
+            masked=static,
         )
         self.seen = end
         return logits
@@ -699,8 +669,9 @@ class DFlashDrafter:
     ) -> DFlashDrafter:
         """Load a z-lab-format directory (config.json + safetensors) for ``target``, whose
         embedding and LM head it shares. ``dtype``/``device`` None: the target's."""
-        from ddtree.models import check_drafter_compat
         from ddtree.models.checkpoint import load_safetensors, match_state_dict, read_config
+        from ddtree.models.compat import check_drafter_compat
+        from ddtree.models.linear import prepare_linears
 
         path = Path(path)
         source = str(path / "config.json")
@@ -720,7 +691,9 @@ class DFlashDrafter:
         match_state_dict(expected, tensors, str(path))
         model = model.to_empty(device=device)
         model.load_state_dict(tensors)
-        return cls(model.to(dtype), target.embed_tokens, target.lm_head, name=path.name)
+        drafter = cls(model.to(dtype), target.embed_tokens, target.lm_head, name=path.name)
+        prepare_linears(drafter)
+        return drafter
 
     def block_logits(self, context_hidden, block_ids, **positions) -> torch.Tensor:
         """:meth:`DFlashModel.block_logits` with this drafter's shared embedding and LM head:

@@ -32,7 +32,7 @@ import torch
 from transformers import DynamicCache
 
 from ddtree.models.base import ModelInfo, NonFiniteLogitsError, TargetOutput
-from ddtree.models.static import EagerLayouts, EngineModeError, EnginePlan
+from ddtree.models.static import EagerLayouts, EnginePlan
 from ddtree.tree.layout import VerifyLayout, compaction_indices
 from ddtree.tree.types import DraftTree
 
@@ -157,15 +157,10 @@ class HFTarget:
         self._pending = 0
 
     def set_engine_mode(self, plan: EnginePlan) -> float:
-        """Eager only: transformers' ``DynamicCache`` grows by concatenation every forward and
-        the tree commit re-slices it, so every step would have new shapes for a compiled graph
-        (and its ``StaticCache`` cannot keep a non-suffix subset of the rows)."""
-        if plan.mode != "eager":
-            raise EngineModeError(
-                f"engine mode {plan.mode!r} is not available for the transformers target "
-                f"{self.info.name!r} (impl hf, eager only); it is available for DeepSeek-V3 / "
-                f"Kimi-K2 configs on the MLA+MoE implementation: use --engine-mode eager"
-            )
+        """Eager only (``engine_modes``, checked by the engine before this is called):
+        transformers' ``DynamicCache`` grows by concatenation every forward and the tree commit
+        re-slices it, so every step would have new shapes for a compiled graph (and its
+        ``StaticCache`` cannot keep a non-suffix subset of the rows)."""
         self.reset()
         self._layouts.reserve(plan)
         return 0.0

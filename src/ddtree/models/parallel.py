@@ -64,8 +64,9 @@ from ddtree.models.mla_moe import (
     build_model,
     expected_shapes,
 )
-from ddtree.models.static import EngineModeError, EnginePlan
-from ddtree.tree.layout import VerifyLayout, pack_bits, verify_layout
+from ddtree.models.quant import dequantized
+from ddtree.models.static import EnginePlan
+from ddtree.tree.layout import pack_bits
 from ddtree.tree.types import DraftTree
 
 
@@ -210,15 +211,22 @@ def _read_experts(
 
 
 def read_shard(
-    path: str | Path, config: MlaMoeConfig, ranges: ShardRanges, shard: ModelShard, attn_impl: str
+    path: str | Path,
+    config: MlaMoeConfig,
+    ranges: ShardRanges,
+    shard: ModelShard,
+    attn_impl: str,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
     """This rank's parameters ``{name: tensor}``, read slice by slice from the checkpoint.
 
     The whole checkpoint's names and shapes are checked first from the file headers, with the
-    same errors as a single-process load."""
+    same errors as a single-process load. Quantized weights are read as the blocks, words and
+    groups covering this rank's slices, dequantized into ``dtype`` (``ddtree.models.quant``)."""
     path = Path(path)
     rules = _split_rules(config)
-    with CheckpointSlices(path) as ckpt:
+    with CheckpointSlices(path) as stored:
+        ckpt = dequantized(stored, config.quantization, dtype)
         header = {n: torch.empty(s, device="meta") for n, s in ckpt.shapes().items()}
         fused = _fuse_per_expert(header, config)  # meta tensors: names and shapes only
         match_state_dict(expected_shapes(config, attn_impl), fused, str(path))
@@ -298,15 +306,15 @@ class Channel:
         return Message(Op(op), payload, seq_len, arg)
 
 
-def encode_tree(tree: DraftTree, layout: VerifyLayout) -> torch.Tensor:
-    """[3M + M*W] int64: tokens, parents, positions, then the visibility packed into
+def encode_tree(tree: DraftTree) -> torch.Tensor:
+    """[3M + M*W] int64: tokens, parents, depths, then the visibility packed into
     W = ceil(M/64) words per row (``pack_bits``)."""
     return torch.cat(
         [
             tree.tokens.cpu(),
             tree.parents.cpu(),
-            layout.position_ids.cpu(),
-            pack_bits(layout.visibility.cpu()).flatten(),
+            tree.depth.cpu(),
+            pack_bits(tree.visibility.cpu()).flatten(),
         ]
     ).to(torch.int64)
 
@@ -319,19 +327,17 @@ def unpack_bits(words: torch.Tensor, m: int) -> torch.Tensor:
     return bits.reshape(words.shape[0], -1)[:, :m].bool()
 
 
-def decode_tree(payload: torch.Tensor, m: int, start: int, dtype: torch.dtype):
-    """(DraftTree, VerifyLayout) from ``encode_tree``'s payload, after ``start`` committed
-    tokens (the layout is ``verify_layout``'s for that tree)."""
+def decode_tree(payload: torch.Tensor, m: int) -> DraftTree:
+    """The ``DraftTree`` of ``encode_tree``'s payload (scores are not sent: zeros)."""
     words = (m + 63) // 64
-    tokens, parents, positions, bits = payload.split([m, m, m, m * words])
-    tree = DraftTree(
+    tokens, parents, depth, bits = payload.split([m, m, m, m * words])
+    return DraftTree(
         tokens=tokens,
         parents=parents,
-        depth=positions - start,
+        depth=depth,
         scores=torch.zeros(m, dtype=torch.float64),
         visibility=unpack_bits(bits.view(m, words), m),
     )
-    return tree, verify_layout(tree, start, dtype)
 
 
 # --- rank 0 -----------------------------------------------------------------------------------
@@ -367,7 +373,7 @@ def load_shard(
     plan.check(config, str(path / "config.json"))
     ranges = plan.ranges(config, rank)
     shard = ranges.model_shard(lm_head=rank == 0, reduce=reduce)
-    tensors = read_shard(path, config, ranges, shard, attn_impl)
+    tensors = read_shard(path, config, ranges, shard, attn_impl, dtype)
     model = build_model(config, attn_impl, tensors, dtype, device, shard)
     return MlaMoeTarget(model, name=path.name, capacity=capacity, check_finite=check_finite)
 
@@ -486,27 +492,20 @@ class ParallelTarget:
         self.local.reset()
 
     def set_engine_mode(self, plan: EnginePlan) -> float:
-        """Eager only: every layer all-reduces across processes, which the compiled graphs do
-        not capture here."""
-        if plan.mode != "eager":
-            raise EngineModeError(
-                f"engine mode {plan.mode!r} is not available for the parallel target "
-                f"(tp={self.group.world_size}); use --engine-mode eager"
-            )
+        """Eager only (``engine_modes``, checked by the engine before this is called): every
+        layer all-reduces across processes, which the compiled graphs do not capture here."""
         self._send(Op.RESET)
         return self.local.set_engine_mode(plan)
 
-    def layout(self, tree: DraftTree) -> VerifyLayout:
+    def layout(self, tree: DraftTree):
         return self.local.layout(tree)
 
     def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
         self._send(Op.PREFILL, input_ids)
         return self.local.prefill(input_ids)
 
-    def verify(self, tree: DraftTree, layout: VerifyLayout | None = None) -> TargetOutput:
-        if layout is None:
-            layout = self.layout(tree)
-        self._send(Op.VERIFY, encode_tree(tree, layout), arg=tree.n_nodes)
+    def verify(self, tree: DraftTree, layout=None) -> TargetOutput:
+        self._send(Op.VERIFY, encode_tree(tree), arg=tree.n_nodes)
         return self.local.verify(tree, layout)
 
     def commit(self, accepted: torch.Tensor) -> None:
@@ -543,8 +542,7 @@ class ParallelTarget:
 
 
 def _follow_verify(local: MlaMoeTarget, msg: Message) -> None:
-    tree, layout = decode_tree(msg.payload.cpu(), msg.arg, local.seq_len, local.dtype)
-    local.verify(tree, layout)
+    local.verify(decode_tree(msg.payload.cpu(), msg.arg))
 
 
 FOLLOW = {

@@ -37,11 +37,16 @@ from dataclasses import dataclass
 import torch
 import torch.fx.experimental._config
 
-from ddtree.records import EngineMode
 from ddtree.tree.layout import LayoutBuffer, VerifyLayout, verify_layout
 from ddtree.tree.types import DraftTree
+from ddtree.vocab import EngineMode
 
-ENGINE_MODES = tuple(m.value for m in EngineMode)  # "eager", "compiled" (DESIGN.md vocabulary)
+ENGINE_MODES = tuple(m.value for m in EngineMode)
+COMPILE_SCOPES = ("model", "layer")
+"""What compiled mode compiles: ``model``, the whole forward as one graph (fewest launches; the
+choice for small, dispatch-bound models and CUDA graphs), or ``layer``, each decoder layer
+(regional compilation: the layers share their graphs, so a 28-64-layer model compiles in
+seconds instead of minutes; the rest of the forward runs eagerly)."""  # "eager", "compiled" (ddtree.vocab)
 # Key-length granularity of the compiled graphs: the prefix is rounded up to a multiple of this
 # (the dimension is dynamic, so this bounds the masked-out keys and, on CUDA, the number of
 # graph recordings).
@@ -50,6 +55,25 @@ KV_CHUNK = 64
 
 class EngineModeError(ValueError):
     """An engine mode a model cannot run (e.g. ``compiled`` on the transformers wrapper)."""
+
+
+def check_engine_support(mode: str, models: Sequence[tuple[str, Sequence[str]]]) -> None:
+    """Refuse, once and before anything loads or compiles, an engine mode one of ``models``
+    ((description, the engine modes it declares)) cannot run."""
+    check_engine_mode(mode)
+    for what, modes in models:
+        if mode not in modes:
+            raise EngineModeError(
+                f"engine mode {mode!r} is not available for {what} (runs: {', '.join(modes)}); "
+                f"compiled mode runs our targets (DeepSeek-V3 / Kimi-K2, Qwen3, Qwen3-MoE, "
+                f"Llama: --impl auto, one process) and the DFlash drafter"
+            )
+
+
+def check_compile_scope(scope: str) -> str:
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope {scope!r}: expected one of {', '.join(COMPILE_SCOPES)}")
+    return scope
 
 
 def check_engine_mode(mode: str) -> str:
@@ -65,9 +89,11 @@ class EnginePlan:
     mode: str = "eager"
     widths: tuple[int, ...] = ()  # verify width buckets (compiled; sorted, distinct)
     max_len: int = 0  # positions the request may reach (prompt + new tokens + block)
+    compile_scope: str = "model"  # compiled: COMPILE_SCOPES
 
     def __post_init__(self) -> None:
         check_engine_mode(self.mode)
+        check_compile_scope(self.compile_scope)
         if any(w < 1 for w in self.widths):
             raise ValueError(f"width buckets must be >= 1, got {list(self.widths)}")
         object.__setattr__(self, "widths", tuple(sorted(set(self.widths))))
@@ -172,12 +198,59 @@ class EagerLayouts:
         return verify_layout(tree, start, self.dtype, out=buffer)
 
 
-def compile_forward(fn: Callable, device: torch.device) -> Callable:
-    """``torch.compile`` as the compiled engine mode uses it: the whole forward as one graph
-    (``fullgraph``: a graph break is a bug, not a slowdown), static shapes except the marked
-    key dimension, CUDA graphs on CUDA."""
+# Graphs one forward function may hold: every model of the process shares its code object, and
+# each compiles (widths x with/without a prefix) graphs; Dynamo's default stops at 8.
+RECOMPILE_LIMIT = 256
+
+
+def compile_options(device: torch.device) -> dict:
+    """``torch.compile`` options of the compiled engine mode: one graph per call (``fullgraph``:
+    a graph break is a bug, not a slowdown), static shapes except the marked key dimension,
+    CUDA graphs on CUDA."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)
     mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+    return {"fullgraph": True, "dynamic": False, "mode": mode}
+
+
+def compile_forward(fn: Callable, device: torch.device) -> Callable:
+    """``fn`` compiled whole, with :func:`compile_options`."""
+    return torch.compile(fn, **compile_options(device))
+
+
+class CompiledForward:
+    """An eager forward compiled for the compiled engine mode: calls replay its graphs
+    (:func:`replay`); calls made inside :meth:`warm_up` compile them, and the seconds they took
+    are what ``set_engine_mode`` reports as compile time. ``scope`` (:data:`COMPILE_SCOPES`):
+    ``model`` compiles ``fn`` whole; ``layer`` calls ``fn`` as it is with ``layers=`` compiled
+    copies of ``layers`` (the modules themselves stay eager for eager-mode calls)."""
+
+    def __init__(
+        self, fn: Callable, device: torch.device, scope: str = "model", layers: Sequence = ()
+    ) -> None:
+        self.scope = scope
+        self.layers = None
+        if scope == "layer":
+            options = compile_options(device)
+            self.layers = [torch.compile(layer, **options) for layer in layers]
+            self.compiled = fn
+        else:
+            self.compiled = compile_forward(fn, device)
+        self._warming = False
+
+    def __call__(self, *args, **kwargs):
+        if self.layers is not None:
+            kwargs["layers"] = self.layers
+        return replay(self.compiled, *args, warm_up=self._warming, **kwargs)
+
+    def warm_up(self, call: Callable[[], object]) -> float:
+        """Run ``call`` (which calls this forward) compiling as needed; returns its seconds."""
+        self._warming = True
+        try:
+            return timed(call)
+        finally:
+            self._warming = False
 
 
 def replay(compiled: Callable, *args, warm_up: bool = False, **kwargs):

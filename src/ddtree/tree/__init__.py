@@ -8,17 +8,16 @@ once per process: the compiled core when built, else the Python reference; ``bac
 names it (see ``ddtree.tree.backends``).
 """
 
-from ddtree.tree.accept import (
+from ddtree.tree.accept import accept_greedy_batch, accepted_mask, process_logits, sample_token
+from ddtree.tree.backends import (
+    BACKENDS,
     accept_greedy,
-    accept_greedy_batch,
     accept_sampled,
-    accept_sampled_batch,
-    accepted_mask,
-    process_logits,
-    sample_token,
+    backend,
+    build_tree,
+    load_backend,
 )
-from ddtree.tree.backends import BACKENDS, TreeBackend, backend, load_backend
-from ddtree.tree.build import DraftTreeBatch, build_tree, build_tree_python, build_trees
+from ddtree.tree.build import DraftTreeBatch, build_tree_python, build_trees
 from ddtree.tree.layout import (
     CompactionPlan,
     LayoutBuffer,
@@ -28,11 +27,12 @@ from ddtree.tree.layout import (
     verify_layout,
 )
 from ddtree.tree.topk import TopK, topk_logprobs
-from ddtree.tree.types import AcceptResult, DraftTree
+from ddtree.tree.types import AcceptResult, BackendUnavailable, DraftTree, TreeBackend
 
 __all__ = [
     "BACKENDS",
     "AcceptResult",
+    "BackendUnavailable",
     "CompactionPlan",
     "DraftTree",
     "DraftTreeBatch",
@@ -43,7 +43,6 @@ __all__ = [
     "accept_greedy",
     "accept_greedy_batch",
     "accept_sampled",
-    "accept_sampled_batch",
     "accepted_mask",
     "backend",
     "build_tree",

@@ -5,7 +5,7 @@
 // element strides; this file only reads and writes those buffers. Each function mirrors a
 // Python reference operation for operation, so results are bit-identical:
 //   build_tree    <- ddtree.tree.build._build_tree_python (heap, float64 path scores)
-//   fill_layout   <- ddtree.tree.layout._fill_layout_torch (additive mask, positions)
+//   fill_layout   <- ddtree.tree.mask.fill_layout_torch (additive mask, positions)
 //   accept_greedy <- ddtree.tree.accept._accept_greedy_torch (walk by match)
 // The GIL is released while a function works on the buffers.
 
@@ -188,58 +188,49 @@ PyObject* py_build_tree(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// fill_layout: the additive verify mask [rows, cols] (row-major, contiguous) and positions.
-// Row i < M: columns [0, start) visible (the committed prefix), [start, start + M) visible
-// where visibility[i] is set, the rest hidden. Padding row i >= M sees only its own column
-// start + i. Visible is +0.0 (all bits zero in every float format), hidden is the bit pattern
-// `hidden` (finfo(dtype).min). Positions: start + depth[i], padding rows start.
+// fill_layout: the additive verify mask [M, start + M] (row-major, contiguous) and positions.
+// Row i: columns [0, start) visible (the committed prefix), [start, start + M) visible where
+// visibility[i] is set, hidden otherwise. Visible is +0.0 (all bits zero in every float
+// format), hidden is the bit pattern `hidden` (finfo(dtype).min). Positions: start + depth[i].
 
 template <typename T>
-void fill_rows(const uint8_t* vis, int64_t m, int64_t vis_row, int64_t start, int64_t rows,
-               int64_t cols, T hidden, T* mask) {
-  for (int64_t i = 0; i < rows; ++i) {
+void fill_rows(const uint8_t* vis, int64_t m, int64_t vis_row, int64_t start, T hidden,
+               T* mask) {
+  const int64_t cols = start + m;
+  for (int64_t i = 0; i < m; ++i) {
     T* row = mask + i * cols;
-    if (i < m) {
-      std::memset(row, 0, sizeof(T) * static_cast<size_t>(start));
-      const uint8_t* v = vis + i * vis_row;
-      T* tree = row + start;
-      for (int64_t j = 0; j < m; ++j) tree[j] = v[j] ? T(0) : hidden;
-      std::fill(tree + m, row + cols, hidden);
-    } else {
-      std::fill(row, row + cols, hidden);
-      if (start + i < cols) row[start + i] = T(0);
-    }
+    std::memset(row, 0, sizeof(T) * static_cast<size_t>(start));
+    const uint8_t* v = vis + i * vis_row;
+    T* tree = row + start;
+    for (int64_t j = 0; j < m; ++j) tree[j] = v[j] ? T(0) : hidden;
   }
 }
 
-// fill_layout(vis, m, vis_row, depth, depth_stride, start, rows, cols, elem_bytes,
-//             hidden_bits, mask, positions) -> None
-// vis [M, M] bool with unit column stride; mask [rows, cols] and positions [rows] contiguous.
+// fill_layout(vis, m, vis_row, depth, depth_stride, start, elem_bytes, hidden_bits, mask,
+//             positions) -> None
+// vis [M, M] bool with unit column stride; mask [M, start + M] and positions [M] contiguous.
 PyObject* py_fill_layout(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  long long a[12];
-  if (!parse_ints("fill_layout", args, nargs, 12, a)) return nullptr;
+  long long a[10];
+  if (!parse_ints("fill_layout", args, nargs, 10, a)) return nullptr;
   const uint8_t* vis = ptr<const uint8_t>(a[0]);
-  const int64_t m = a[1], vis_row = a[2], depth_s = a[4], start = a[5], rows = a[6];
-  const int64_t cols = a[7];
+  const int64_t m = a[1], vis_row = a[2], depth_s = a[4], start = a[5];
   const int64_t* depth = ptr<const int64_t>(a[3]);
-  const long long elem = a[8];
-  const uint64_t hidden = static_cast<uint64_t>(a[9]);
+  const long long elem = a[6];
+  const uint64_t hidden = static_cast<uint64_t>(a[7]);
   if (elem != 2 && elem != 4 && elem != 8) {
     PyErr_Format(PyExc_ValueError, "fill_layout: element size %lld is not 2, 4 or 8", elem);
     return nullptr;
   }
   Py_BEGIN_ALLOW_THREADS;
   if (elem == 2) {
-    fill_rows<uint16_t>(vis, m, vis_row, start, rows, cols, static_cast<uint16_t>(hidden),
-                        ptr<uint16_t>(a[10]));
+    fill_rows<uint16_t>(vis, m, vis_row, start, static_cast<uint16_t>(hidden), ptr<uint16_t>(a[8]));
   } else if (elem == 4) {
-    fill_rows<uint32_t>(vis, m, vis_row, start, rows, cols, static_cast<uint32_t>(hidden),
-                        ptr<uint32_t>(a[10]));
+    fill_rows<uint32_t>(vis, m, vis_row, start, static_cast<uint32_t>(hidden), ptr<uint32_t>(a[8]));
   } else {
-    fill_rows<uint64_t>(vis, m, vis_row, start, rows, cols, hidden, ptr<uint64_t>(a[10]));
+    fill_rows<uint64_t>(vis, m, vis_row, start, hidden, ptr<uint64_t>(a[8]));
   }
-  int64_t* positions = ptr<int64_t>(a[11]);
-  for (int64_t i = 0; i < rows; ++i) positions[i] = start + (i < m ? depth[i * depth_s] : 0);
+  int64_t* positions = ptr<int64_t>(a[9]);
+  for (int64_t i = 0; i < m; ++i) positions[i] = start + depth[i * depth_s];
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
 }

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.tree.backends import active_backend
 from ddtree.tree.types import AcceptResult, DraftTree
 
 
@@ -91,12 +90,6 @@ def accepted_mask(
     return ~(visibility & ~match[..., None, :]).any(-1)
 
 
-def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
-    """``target_tokens`` [M] int64: the target's token after each node (argmax for greedy).
-    Runs the active backend (``ddtree.tree.backend()``)."""
-    return active_backend().accept_greedy(tree, target_tokens)
-
-
 def check_target_tokens(tree: DraftTree, target_tokens: torch.Tensor) -> None:
     m = tree.n_nodes
     if target_tokens.shape != (m,):
@@ -113,23 +106,6 @@ def accept_greedy_torch(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptR
     accepted = ok.nonzero().squeeze(1)
     tau = int(accepted.shape[0])
     return AcceptResult(accepted=accepted, bonus_token=int(target_tokens[accepted[-1]]), tau=tau)
-
-
-def accept_sampled(
-    tree: DraftTree,
-    target_logits: torch.Tensor,  # [M, V]
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> AcceptResult:
-    """Draw the target's token at every node, then walk by match (lossless)."""
-    if target_logits.dim() != 2 or target_logits.shape[0] != tree.n_nodes:
-        raise ValueError(
-            f"target_logits must be [{tree.n_nodes}, V], got {tuple(target_logits.shape)}"
-        )
-    drawn = sample_token(target_logits, temperature, top_k, top_p, generator)
-    return accept_greedy(tree, drawn)
 
 
 def accept_greedy_batch(
@@ -151,18 +127,3 @@ def accept_greedy_batch(
     last = torch.where(ok, index, -1).max(-1).values
     bonus = target_tokens.gather(1, last[:, None]).squeeze(1)
     return ok, tau, bonus
-
-
-def accept_sampled_batch(
-    tokens: torch.Tensor,  # [R, M] int64
-    parents: torch.Tensor,  # [R, M] int64
-    visibility: torch.Tensor,  # [R, M, M] bool
-    target_logits: torch.Tensor,  # [R, M, V]
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sampled variant of ``accept_greedy_batch`` (same return value)."""
-    drawn = sample_token(target_logits, temperature, top_k, top_p, generator)
-    return accept_greedy_batch(tokens, parents, visibility, drawn)

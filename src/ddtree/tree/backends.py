@@ -1,6 +1,8 @@
-"""Which implementation of the host tree core runs, chosen once per process.
+"""Which implementation of the host tree core runs, chosen once per process, and the entry
+points that run it (``build_tree``, ``accept_greedy``, ``accept_sampled``; ``verify_layout``
+in ``layout.py`` fills its mask through it too, and so sits above it).
 
-Backends (a registry: ``BACKENDS``):
+Backends (a registry: ``BACKENDS``, which imports its implementations; they never import it):
 
 - ``native``: the compiled extension ``ddtree.tree._native`` (C++, built by the package's own
   install; ``ddtree.tree.native`` wraps it);
@@ -18,37 +20,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from ddtree.tree.types import AcceptResult, DraftTree
+from ddtree.tree.accept import accept_greedy_torch, sample_token
+from ddtree.tree.build import build_tree_python
+from ddtree.tree.mask import fill_layout_torch
+from ddtree.tree.types import AcceptResult, BackendUnavailable, DraftTree, TreeBackend
 
 ENV_VAR = "DDTREE_TREE_BACKEND"
 
 
-@dataclass(frozen=True)
-class TreeBackend:
-    name: str
-    # (root_token, topk_logprobs [L, K], topk_tokens [L, K], budget) -> DraftTree on the CPU
-    build_tree: Callable[[int, torch.Tensor, torch.Tensor, int], DraftTree]
-    # (visibility [M, M] bool, depth [M] int64, start, mask [rows, cols] float,
-    #  positions [rows] int64) -> None; fills mask and positions in place (layout.py)
-    fill_layout: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor], None]
-    # (tree, target_tokens [M] int64) -> AcceptResult
-    accept_greedy: Callable[[DraftTree, torch.Tensor], AcceptResult]
-
-
-class BackendUnavailable(ImportError):
-    """The requested backend cannot be loaded here (the message says why)."""
-
-
 def _python() -> TreeBackend:
-    from ddtree.tree import accept, build, layout
-
-    return TreeBackend(
-        "python", build.build_tree_python, layout.fill_layout_torch, accept.accept_greedy_torch
-    )
+    return TreeBackend("python", build_tree_python, fill_layout_torch, accept_greedy_torch)
 
 
 def _native() -> TreeBackend:
@@ -95,3 +79,39 @@ def _choose() -> TreeBackend:
             "ddtree: compiled tree core unavailable (%s); using the Python tree builder", err
         )
         return load_backend("python")
+
+
+def build_tree(
+    root_token: int,
+    topk_logprobs: torch.Tensor,  # [L, K] float, sorted descending per depth
+    topk_tokens: torch.Tensor,  # [L, K] int64
+    budget: int,
+) -> DraftTree:
+    """Best-first (heap) builder on the host. Returns at most ``budget + 1`` nodes, root first,
+    as CPU tensors. Runs the active backend (``backend()``): the compiled core, or
+    ``build_tree_python`` where it is not built; both give the same tree, bit for bit."""
+    return active_backend().build_tree(root_token, topk_logprobs, topk_tokens, budget)
+
+
+def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
+    """``target_tokens`` [M] int64: the target's token after each node (argmax for greedy).
+    Runs the active backend (``backend()``)."""
+    return active_backend().accept_greedy(tree, target_tokens)
+
+
+def accept_sampled(
+    tree: DraftTree,
+    target_logits: torch.Tensor,  # [M, V]
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> AcceptResult:
+    """Draw the target's token at every node, then walk by match (lossless) on the active
+    backend."""
+    if target_logits.dim() != 2 or target_logits.shape[0] != tree.n_nodes:
+        raise ValueError(
+            f"target_logits must be [{tree.n_nodes}, V], got {tuple(target_logits.shape)}"
+        )
+    drawn = sample_token(target_logits, temperature, top_k, top_p, generator)
+    return accept_greedy(tree, drawn)

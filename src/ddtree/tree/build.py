@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ddtree.tree.backends import active_backend
 from ddtree.tree.types import DraftTree
 
 
@@ -82,18 +81,6 @@ def _visibility_from_masks(masks: list[int], m: int) -> torch.Tensor:
         np.frombuffer(raw, dtype=np.uint8).reshape(m, nbytes), axis=1, bitorder="little"
     )
     return torch.from_numpy(bits[:, :m].astype(bool))
-
-
-def build_tree(
-    root_token: int,
-    topk_logprobs: torch.Tensor,  # [L, K] float, sorted descending per depth
-    topk_tokens: torch.Tensor,  # [L, K] int64
-    budget: int,
-) -> DraftTree:
-    """Best-first (heap) builder on the host. Returns at most ``budget + 1`` nodes, root first,
-    as CPU tensors. Runs the active backend (``ddtree.tree.backend()``): the compiled core, or
-    ``build_tree_python`` where it is not built; both give the same tree, bit for bit."""
-    return active_backend().build_tree(root_token, topk_logprobs, topk_tokens, budget)
 
 
 def build_tree_python(

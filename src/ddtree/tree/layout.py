@@ -7,16 +7,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.tree.backends import TreeBackend, active_backend
-from ddtree.tree.types import DraftTree
+from ddtree.tree.backends import active_backend
+from ddtree.tree.types import DraftTree, TreeBackend
 
 
 @dataclass
 class VerifyLayout:
-    # static layouts (verify_layout(static=True)) have rows >= M and cols >= start + M
-    position_ids: torch.Tensor  # [M] int64, start + depth (static: [rows])
+    """What a forward that takes a dense additive mask needs (the transformers wrapper; our
+    own targets attend without one, ``ddtree.models.attention``)."""
+
+    position_ids: torch.Tensor  # [M] int64, start + depth
     attn_mask: torch.Tensor  # [1, 1, M, start + M] additive float: 0 visible, finfo.min hidden
-    parents: torch.Tensor  # [M] int64, the compact form for kernels that walk ancestors
     visibility: torch.Tensor  # [M, M] bool
 
     def ancestor_bits(self) -> torch.Tensor:
@@ -62,11 +63,10 @@ class LayoutBuffer:
         self.positions = torch.empty(rows, dtype=torch.int64, device=device)  # [rows]
 
     def views(
-        self, m: int, start: int, dtype: torch.dtype | None, static: bool
+        self, m: int, start: int, dtype: torch.dtype | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mask [1, 1, rows', cols'], positions [rows']) views for a tree of M nodes after
-        ``start`` committed tokens: rows' x cols' = M x (start + M) (contiguous), or the full
-        rows x cols when static."""
+        """(mask [1, 1, M, start + M] contiguous, positions [M]) views for a tree of M nodes
+        after ``start`` committed tokens."""
         if dtype is not None and dtype != self.dtype:
             raise ValueError(f"verify_layout dtype {dtype} != the LayoutBuffer's {self.dtype}")
         if m > self.rows or start + m > self.cols:
@@ -74,8 +74,6 @@ class LayoutBuffer:
                 f"verify_layout: a tree of {m} nodes after {start} tokens needs a LayoutBuffer "
                 f"of at least {m} rows x {start + m} cols, this one is {self.rows} x {self.cols}"
             )
-        if static:
-            return self.mask.view(1, 1, self.rows, self.cols), self.positions
         return self.mask[: m * (start + m)].view(1, 1, m, start + m), self.positions[:m]
 
 
@@ -85,57 +83,25 @@ def verify_layout(
     dtype: torch.dtype | None = None,
     *,
     out: LayoutBuffer | None = None,
-    static: bool = False,
     backend: TreeBackend | None = None,
 ) -> VerifyLayout:
     """Layout for verifying ``tree`` after a committed prefix of ``start`` tokens.
 
     ``dtype``: the mask's float type (default float32, or the buffer's). ``out``: fill a
-    ``LayoutBuffer`` instead of allocating. ``static`` (needs ``out``): the mask is the buffer's
-    full [1, 1, rows, cols] and ``position_ids`` [rows], the fixed shapes a captured graph
-    needs: padding rows (M .. rows-1) see only their own column ``start + i`` and sit at
-    position ``start``; columns past ``start + M`` are hidden from every tree row.
-    ``backend``: the tree backend that fills it (default: the active one; benchmarks compare).
+    ``LayoutBuffer`` instead of allocating. ``backend``: the tree backend that fills it
+    (default: the active one; benchmarks compare).
     """
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
     m = tree.n_nodes
     if out is not None:
-        mask, positions = out.views(m, start, dtype, static)
-    elif static:
-        raise ValueError("verify_layout(static=True) needs out=LayoutBuffer (the static shape)")
+        mask, positions = out.views(m, start, dtype)
     else:
         device = tree.tokens.device
         mask = torch.empty(1, 1, m, start + m, dtype=dtype or torch.float32, device=device)
         positions = torch.empty(m, dtype=torch.int64, device=device)
     (backend or active_backend()).fill_layout(tree.visibility, tree.depth, start, mask, positions)
-    return VerifyLayout(positions, mask, tree.parents, tree.visibility)
-
-
-def fill_layout_torch(
-    visibility: torch.Tensor,  # [M, M] bool
-    depth: torch.Tensor,  # [M] int64
-    start: int,
-    mask: torch.Tensor,  # [.., rows, cols] float, rows >= M, cols >= start + M; written
-    positions: torch.Tensor,  # [rows] int64; written
-) -> None:
-    """Additive mask (0 visible, finfo.min hidden) and positions, in torch (any device): row
-    i < M sees the committed prefix and its ancestors-or-self; padding row i >= M sees only
-    column ``start + i``. Example M = 2 (root, child), start 1, rows 3, cols 5 (h = hidden)::
-
-        row 0: 0 | 0 h | h h      position start + 0 = 1
-        row 1: 0 | 0 0 | h h      position start + 1 = 2
-        row 2: h | h h | 0 h      padding: position start = 1
-    """
-    m = visibility.shape[0]
-    rows, cols = mask.shape[-2:]
-    mask.fill_(torch.finfo(mask.dtype).min)
-    mask[..., :m, :start] = 0
-    mask[..., :m, start : start + m].masked_fill_(visibility, 0)
-    pad = torch.arange(m, max(m, min(rows, cols - start)), device=mask.device)
-    mask[..., pad, start + pad] = 0
-    positions[:m] = start + depth
-    positions[m:] = start
+    return VerifyLayout(positions, mask, tree.visibility)
 
 
 @dataclass

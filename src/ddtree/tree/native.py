@@ -13,10 +13,9 @@ import functools
 import torch
 
 from ddtree.tree.accept import accept_greedy_torch, check_target_tokens
-from ddtree.tree.backends import BackendUnavailable
 from ddtree.tree.build import check_topk
-from ddtree.tree.layout import fill_layout_torch
-from ddtree.tree.types import AcceptResult, DraftTree
+from ddtree.tree.mask import check_layout_shapes, fill_layout_torch
+from ddtree.tree.types import AcceptResult, BackendUnavailable, DraftTree
 
 ABI_VERSION = 1  # kAbiVersion in _native.cpp
 
@@ -106,23 +105,16 @@ def fill_layout(
     visibility: torch.Tensor,  # [M, M] bool
     depth: torch.Tensor,  # [M] int64
     start: int,
-    mask: torch.Tensor,  # [1, .., rows, cols] float, written
-    positions: torch.Tensor,  # [rows] int64, written
+    mask: torch.Tensor,  # [1, .., M, start + M] float, written
+    positions: torch.Tensor,  # [M] int64, written
 ) -> None:
-    """``ddtree.tree.layout.fill_layout_torch`` in C++ for host tensors."""
+    """``ddtree.tree.mask.fill_layout_torch`` in C++ for host tensors."""
+    check_layout_shapes(visibility, depth, start, mask, positions)
     m = visibility.shape[0]
-    rows, cols = mask.shape[-2:]
-    if visibility.shape != (m, m) or depth.shape != (m,) or positions.shape != (rows,):
-        raise ValueError(
-            f"fill_layout: visibility {tuple(visibility.shape)}, depth {tuple(depth.shape)}, "
-            f"positions {tuple(positions.shape)} do not fit M = {m} and {rows} mask rows"
-        )
-    if rows < m or cols < start + m or start < 0:
-        raise ValueError(f"fill_layout: mask [{rows}, {cols}] cannot hold {m} nodes at {start}")
     native_ok = (
         visibility.device.type == depth.device.type == mask.device.type == "cpu"
         and positions.device.type == "cpu"
-        and mask.numel() == rows * cols
+        and mask.numel() == m * (start + m)
         and visibility.dtype == torch.bool
         and (visibility.stride(1) == 1 or m == 1)
         and depth.dtype == torch.int64
@@ -141,8 +133,6 @@ def fill_layout(
         depth.data_ptr(),
         depth.stride(0),
         start,
-        rows,
-        cols,
         mask.itemsize,
         _hidden_bits(mask.dtype),
         mask.data_ptr(),

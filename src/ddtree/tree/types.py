@@ -1,11 +1,13 @@
-"""Result types of the tree core. Shapes are written on every field.
+"""Types of the tree core: its results and the interface of a backend. Shapes are written on
+every field.
 
-Vocabulary (DESIGN.md): block size ``B``, depth ``L = B - 1``, budget ``N`` (non-root nodes),
+Vocabulary: block size ``B``, depth ``L = B - 1``, budget ``N`` (non-root nodes),
 verify width ``M = N + 1``. Node 0 is the root (the last committed token, depth 0).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,3 +43,21 @@ class AcceptResult:
     accepted: torch.Tensor  # [tau] int64 node indices, root first, each the parent of the next
     bonus_token: int  # the target's token after the last accepted node
     tau: int  # tokens committed this step = accepted draft nodes + 1 = len(accepted)
+
+
+@dataclass(frozen=True)
+class TreeBackend:
+    """One implementation of the host tree core (the registry: ``ddtree.tree.backends``)."""
+
+    name: str
+    # (root_token, topk_logprobs [L, K], topk_tokens [L, K], budget) -> DraftTree on the CPU
+    build_tree: Callable[[int, torch.Tensor, torch.Tensor, int], DraftTree]
+    # (visibility [M, M] bool, depth [M] int64, start, mask [rows, cols] float,
+    #  positions [rows] int64) -> None; fills mask and positions in place (layout.py)
+    fill_layout: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor], None]
+    # (tree, target_tokens [M] int64) -> AcceptResult
+    accept_greedy: Callable[[DraftTree, torch.Tensor], AcceptResult]
+
+
+class BackendUnavailable(ImportError):
+    """The requested backend cannot be loaded here (the message says why)."""

@@ -1,5 +1,5 @@
-"""Plain numpy reference implementations, small and obviously correct, that the torch
-versions are tested bit-exact against. Not used on any hot path."""
+"""Plain numpy reference implementations for the tree tests, small and obviously correct,
+that the torch and native versions are tested bit-exact against."""
 
 from __future__ import annotations
 
@@ -57,24 +57,13 @@ def visibility_ref(parents: np.ndarray) -> np.ndarray:
     return vis
 
 
-def mask_ref(
-    parents: np.ndarray,
-    start: int,
-    dtype_min: float,
-    rows: int | None = None,
-    cols: int | None = None,
-) -> np.ndarray:
-    """[rows, cols] additive mask (default [M, start+M]): tree row i sees the prefix and its
-    ancestors-or-self; padding row i >= M sees only column start + i."""
+def mask_ref(parents: np.ndarray, start: int, dtype_min: float) -> np.ndarray:
+    """[M, start+M] additive mask: row i sees the prefix and its ancestors-or-self."""
     vis = visibility_ref(parents)
     m = len(parents)
-    rows, cols = rows or m, cols or start + m
-    mask = np.full((rows, cols), dtype_min, dtype=np.float64)
-    mask[:m, :start] = 0.0
-    mask[:m, start : start + m][vis] = 0.0
-    for i in range(m, rows):
-        if start + i < cols:
-            mask[i, start + i] = 0.0
+    mask = np.full((m, start + m), dtype_min, dtype=np.float64)
+    mask[:, :start] = 0.0
+    mask[:, start:][vis] = 0.0
     return mask
 
 
