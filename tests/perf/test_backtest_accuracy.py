@@ -22,7 +22,8 @@ from ddtree.perf.estimate import estimate, load
 from ddtree.perf.fromrecords import anchors_from_records
 from ddtree.perf.report import explain
 from ddtree.perf.scenario import StageAnchor, StepAnchor
-from ddtree.records import STEP_STAGES, EngineMode, Stage, read_records, write_records
+from ddtree.records import read_records, write_records
+from ddtree.vocab import STEP_STAGES, EngineMode, Stage
 
 REAL = Path(__file__).parent / "data" / "demo_pair_cpu_runs.jsonl"
 BUDGETS = (8, 16, 32, 64, 128, 256)

@@ -11,13 +11,14 @@ from ddtree.perf.cost import (
     amdahl,
     default_params,
     experts_touched,
+    host_speed,
     moe_layer_s,
     params_at,
     step_cost,
     tokens_per_s,
 )
 from ddtree.perf.model import PRESETS
-from ddtree.records import STEP_STAGES, Policy, Stage
+from ddtree.vocab import POLICIES, STEP_STAGES, Stage
 
 K2T = PRESETS["kimi-k2-thinking"]
 DRAFTER = Drafter(params=1.5e9, layers=3, kv_bytes_per_token=12288)
@@ -39,7 +40,7 @@ def _point(hw="b300", **kw):
 
 
 def test_experts_touched_formula():
-    # E(1-(1-k/E)^T): REFERENCE.md B6 gives Kimi 8 -> 59.5, 16 -> 110; DeepSeek 8 -> 57
+    # E(1-(1-k/E)^T) by hand: Kimi 8 -> 59.5, 16 -> 110; DeepSeek 8 -> 57
     assert experts_touched(384, 8, 8) == pytest.approx(59.5, abs=0.1)
     assert experts_touched(384, 8, 16) == pytest.approx(110, abs=0.5)
     assert experts_touched(256, 8, 8) == pytest.approx(57, abs=0.5)
@@ -54,7 +55,7 @@ def test_doubling_bandwidth_halves_memory_bound_terms():
     hw = load_catalog()["b300"]
     a = step_cost(K2T, _point(), P, 4.4)
     b = step_cost(K2T, _point(hardware=with_bandwidth(hw, 2 * hw.hbm_bytes_per_s)), P, 4.4)
-    launch = P["eager.launch"]
+    launch = P["eager.launch"] / host_speed(P, hw.host_cpu)  # a B300's host: a DGX B200's Xeon
     for ca, cb in zip(a.components, b.components, strict=True):
         if ca.bound == "memory":
             ta, tb = ca.seconds - ca.launches * launch, cb.seconds - cb.launches * launch
@@ -127,7 +128,7 @@ def test_amdahl_flags_overheads_on_fast_hardware():
 
 
 # ---- each component alone, against hand-computed bytes and FLOPs (Kimi K2-Thinking, TP 8,
-# C = 1, context 2048, B = 8, N = 8 -> M = 9; REFERENCE.md D shapes) ----
+# C = 1, context 2048, B = 8, N = 8 -> M = 9; the published config.json shapes) ----
 EXPERT = 3 * 7168 * 2048  # 44,040,192 params
 ATTN = (7168 * 1536 + 1536 * 64 * 192) + (7168 * 576 + 512 * 64 * 256) + 64 * 128 * 7168
 TOUCHED_M9 = 384 * (1 - (1 - 8 / 384) ** 9)  # 66.28 experts
@@ -136,7 +137,7 @@ VERIFY = cost.Forward(Stage.VERIFY, 9, 2048)
 
 
 def test_the_hand_computed_shapes():
-    assert ATTN == K2T.attention_params_per_layer == 101_122_048  # REFERENCE.md D: 101 M
+    assert ATTN == K2T.attention_params_per_layer == 101_122_048  # 101 M per layer, by hand
     assert TOUCHED_M9 == pytest.approx(66.3, abs=0.05)
     assert K2T.kv_bytes_per_token_layer() == (512 + 64) * 2
 
@@ -173,7 +174,7 @@ def test_each_device_component_alone(make, stage, want_bytes, want_flops):
 
 def test_each_host_component_alone():
     P = params_at(default_params())
-    p = _point(concurrency=2)
+    p = _point(concurrency=2, host="xeon-8480c")  # the reference host: speed 1
     eng = cost.ENGINES["eager"]
     assert cost.tree_build(p, P).seconds == pytest.approx(
         2 * (eng.tree_fixed_s + 8 * eng.tree_per_node_s)
@@ -187,10 +188,10 @@ def test_each_host_component_alone():
     )
     assert cost.commit_glue(p, P).seconds == pytest.approx(2 * eng.commit_fixed_s)
     # the sort of the K = min(N, V) kept candidates grows with the budget
-    sort8, sort64 = (cost.topk_sort(K2T, _point(budget=n), P) for n in (8, 64))
+    sort8, sort64 = (cost.topk_sort(K2T, _point(budget=n, host="xeon-8480c"), P) for n in (8, 64))
     assert sort8.seconds == pytest.approx(eng.topk_fixed_s + 7 * 8 * eng.topk_per_candidate_s)
     assert sort64.seconds - sort8.seconds == pytest.approx(7 * 56 * eng.topk_per_candidate_s)
-    chain = _point(policy=Policy.CHAIN, budget=7)
+    chain = _point(policy=POLICIES["chain"], budget=7, host="xeon-8480c")
     assert cost.topk_sort(K2T, chain, P).seconds == pytest.approx(
         eng.topk_fixed_s + 7 * eng.topk_per_candidate_s
     )
@@ -199,6 +200,23 @@ def test_each_host_component_alone():
     b300 = load_catalog()["b300"]
     want = 2 * 61 * (b300.allreduce_latency_s + 2 * 7 / 8 * 9 * 7168 * 2 / b300.link_bytes_per_s)
     assert ar.seconds == pytest.approx(want)
+
+
+def test_a_faster_host_divides_the_host_costs_and_launches_only():
+    P = params_at(default_params())
+    ref, desk = _point(host="xeon-8480c"), _point(host="desktop")
+    speed = P["host_speed.desktop"]
+    assert speed == pytest.approx(1.45)  # 5.5 / 3.8 GHz (assumed)
+    a, b = step_cost(K2T, ref, P, 4.4), step_cost(K2T, desk, P, 4.4)
+    for ca, cb in zip(a.components, b.components, strict=True):
+        if ca.bound == "host":
+            assert cb.seconds == pytest.approx(ca.seconds / speed), ca.name
+        elif ca.bound == "link":
+            assert cb.seconds == pytest.approx(ca.seconds), ca.name
+        else:  # device work unchanged, its launches divided by the speed
+            launch = P["eager.launch"] * ca.launches
+            assert cb.seconds == pytest.approx(ca.seconds - launch + launch / speed), ca.name
+    assert ref.host_cpu == "xeon-8480c" and _point().host_cpu == "xeon-8570"  # the B300's
 
 
 def test_accept_reads_the_logits_once_per_token_not_per_request_squared():
@@ -229,15 +247,15 @@ def test_ar_is_the_target_forward_at_m_1_and_the_overhead():
     spec = step_cost(K2T, _point(), P, 4.4)
     assert spec.step_s > ar.step_s
     with pytest.raises(ValueError, match="ar step has budget 0"):
-        _point(policy=Policy.AR)
+        _point(policy=POLICIES["ar"])
     with pytest.raises(ValueError, match="chain step has budget 7"):
-        _point(policy=Policy.CHAIN, budget=8)
+        _point(policy=POLICIES["chain"], budget=8)
 
 
 def test_graphs_profile_cuts_launches_not_device_time():
     P = params_at(default_params())
-    eager = step_cost(K2T, _point(engine="eager"), P, 4.4)
-    graphs = step_cost(K2T, _point(engine="graphs"), P, 4.4)
+    eager = step_cost(K2T, _point(engine="eager", host="xeon-8480c"), P, 4.4)
+    graphs = step_cost(K2T, _point(engine="graphs", host="xeon-8480c"), P, 4.4)
     assert graphs.step_s < eager.step_s
     assert graphs.hbm_bytes == eager.hbm_bytes
     launches = sum(c.launches for c in eager.components)

@@ -178,3 +178,156 @@ def test_a_gpu_run_replaces_the_catalog_link():
     assert (b300.allreduce_latency_s, b300.link_bytes_per_s) == (12e-6, 350e9)
     assert b300.provenance["link_bandwidth"].kind == "measured"
     assert b300.hbm_bytes_per_s == load_catalog()["b300"].hbm_bytes_per_s
+
+
+# ---- groups that span nodes --------------------------------------------------------------
+
+
+def test_allreduce_bytes_in_a_node_and_between_nodes():
+    from ddtree.perf.catalog import load_links
+    from ddtree.perf.cost import allreduce_bytes
+
+    h100 = load_catalog()["h100-sxm"]
+    one = dataclasses.replace(point(hw="h100-sxm"), hardware=h100)
+    assert allreduce_bytes(one, 14e3) == (pytest.approx(2 * 7 / 8 * 14e3), 0.0)
+    two = dataclasses.replace(one, tp=16, inter_node=load_links()["ib-ndr"])
+    assert (two.per_node, two.nodes) == (8, 2)
+    # the docstring's example: TP 16 as 2 x 8, S = 14 kB -> 24.5 kB in the node, 1.75 kB out
+    assert allreduce_bytes(two, 14e3) == (pytest.approx(24.5e3), pytest.approx(1.75e3))
+
+
+def test_tp16_over_infiniband_pays_the_link_between_nodes():
+    from ddtree.perf.catalog import load_links
+
+    ds = PRESETS["deepseek-v3"]
+    h100 = load_catalog()["h100-sxm"]
+    ib = load_links()["ib-ndr"]
+    tp8 = point(hw="h100-sxm").as_ar()
+    tp16 = dataclasses.replace(tp8, tp=16, inter_node=ib)
+    ar8 = step_cost(ds, tp8, P).component("TP all-reduce")
+    ar16 = step_cost(ds, tp16, P).component("TP all-reduce")
+    S = 1 * ds.hidden_size * 2.0  # M = 1, C = 1, bf16
+    want16 = 2 * 61 * (ib.allreduce_latency_s + 2 * 7 / 8 * S / h100.link_bytes_per_s
+                       + 2 * 1 / 2 * S / 8 / ib.bytes_per_s)  # fmt: skip
+    assert float(ar16.seconds) == pytest.approx(want16)
+    assert float(ar16.seconds) > 2 * float(ar8.seconds)  # 25 us a collective, not NVLink's 8
+    assert "InfiniBand NDR" in ar16.rule and "2 nodes of 8 GPUs" in ar16.rule
+
+
+SPAN = """
+[model]
+preset = "deepseek-v3"
+[deployment]
+tp = {tp}
+engine = "graphs"
+policy = "ar"
+{extra}
+[[scenario]]
+name = "s"
+hardware = "h100-sxm"
+"""
+
+
+@pytest.mark.parametrize(
+    "tp,extra,message",
+    [
+        (16, "", "tp 16 spans 2 nodes of 8 GPUs (h100-sxm); name the link between them with "
+                 "inter_node = one of ib-ndr"),
+        (12, 'inter_node = "ib-ndr"', "tp: 12 GPUs do not fill whole nodes of 8"),
+        (16, 'inter_node = "ib-fast"', "inter_node: 'ib-fast'; known links: ib-ndr"),
+    ],
+)  # fmt: skip
+def test_a_group_across_nodes_must_name_its_link(tmp_path, tp, extra, message):
+    path = tmp_path / "s.toml"
+    path.write_text(SPAN.format(tp=tp, extra=extra))
+    with pytest.raises(ScenarioError, match="s.toml") as exc:
+        load_scenario(path)
+    assert message in str(exc.value)
+
+
+def test_a_file_can_define_its_own_link_and_node_size(tmp_path):
+    path = tmp_path / "s.toml"
+    text = SPAN.format(tp=16, extra='inter_node = "slow"\ngpus_per_node = 4')
+    text += '[link.slow]\nbandwidth = "10 GB/s"\nallreduce_latency = "50 us"\n'
+    path.write_text(text)
+    pt = load_scenario(path).cases[0].point
+    assert (pt.per_node, pt.nodes, pt.inter_node.bytes_per_s) == (4, 4, 10e9)
+    assert pt.inter_node.provenance["bandwidth"].kind == "user"
+
+
+# ---- attention TP with the experts as MoE TP x EP -------------------------------------------
+
+
+def test_moe_tp_by_ep_reads_between_pure_tp_and_pure_ep():
+    from ddtree.perf.cost import mixed_deployment
+
+    tokens = 9  # M = 9 at C = 1
+    mixed = dataclasses.replace(point(), deployment=mixed_deployment(2, 4))
+    assert (mixed.experts_ep, mixed.experts_tp) == (4, 2)
+    moe = step_cost(K2T, mixed, P).component("routed MoE")
+    ep4_bytes, _, _ = expert_parallel_moe_layer(K2T, tokens, 4)
+    assert moe.hbm_bytes == pytest.approx(K2T.num_moe_layers * ep4_bytes / 2)
+    tp_bytes = step_cost(K2T, point("tp"), P).component("routed MoE").hbm_bytes
+    ep_bytes = step_cost(K2T, point("tp-ep"), P).component("routed MoE").hbm_bytes
+    # 66.3 of 384 experts touched: 8.3 per GPU split evenly, 12.1 on the busiest of 8 groups;
+    # 4 groups of 96 experts, each split over 2 GPUs, sit in between
+    assert tp_bytes < moe.hbm_bytes < ep_bytes
+    # the collectives are the TP layer's: 2 all-reduces per layer, no all-to-all
+    cost = step_cost(K2T, mixed, P)
+    assert "EP all-to-all" not in [c.name for c in cost.components]
+    assert cost.component("TP all-reduce").seconds == pytest.approx(
+        step_cost(K2T, point("tp"), P).component("TP all-reduce").seconds
+    )
+
+
+MIXED = """
+[model]
+preset = "deepseek-v3"
+[[scenario]]
+name = "s"
+hardware = "b200"
+policy = "ar"
+tp = 8
+parallel = {parallel}
+"""
+
+
+@pytest.mark.parametrize(
+    "parallel,message",
+    [
+        ('{ attention = "tp", moe_tp = 2, moe_ep = 2 }',
+         "moe_tp x moe_ep = 2 x 2 = 4; it must equal tp = 8"),
+        ('{ attention = "dp", moe_ep = 8 }', "a table takes tensor-parallel attention"),
+        ("{ moe_tp = 8, ep = 1 }", "unknown field(s) ep"),
+        ('"ep"', "parallel: 'ep'; expected one of tp, tp-ep, dp-ep or a table"),
+    ],
+)  # fmt: skip
+def test_bad_parallel_tables_name_the_field(tmp_path, parallel, message):
+    path = tmp_path / "s.toml"
+    path.write_text(MIXED.format(parallel=parallel))
+    with pytest.raises(ScenarioError, match="s.toml") as exc:
+        load_scenario(path)
+    assert message in str(exc.value)
+
+
+def test_a_parallel_table_reads(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text(MIXED.format(parallel='{ attention = "tp", moe_tp = 2, moe_ep = 4 }'))
+    pt = load_scenario(path).cases[0].point
+    assert (pt.experts_tp, pt.experts_ep, pt.weight_shards) == (2, 4, 8)
+    assert pt.deployment.name == "tp-attention, MoE TP2 x EP4"
+
+
+def test_a_deployment_names_its_host_cpu(tmp_path, capsys):
+    path = tmp_path / "s.toml"
+    path.write_text(MIXED.format(parallel='"tp"') + 'host_cpu = "desktop"\n')
+    pt = load_scenario(path).cases[0].point
+    assert (pt.host_cpu, pt.hardware.host_cpu) == ("desktop", "xeon-8570")
+    path.write_text(MIXED.format(parallel='"tp"') + 'host_cpu = "m3-max"\n')
+    with pytest.raises(ScenarioError, match="host_cpu: 'm3-max'; known host classes: xeon-8480c"):
+        load_scenario(path)
+    path.write_text(MIXED.format(parallel='"tp"') + 'host_cpu = "grace"\n')
+    from ddtree.cli import main
+
+    assert main(["estimate", str(path), "--explain", "--samples", "200"]) == 0
+    assert "host CPU: NVIDIA Grace" in capsys.readouterr().out

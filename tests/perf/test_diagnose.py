@@ -10,7 +10,8 @@ import pytest
 
 from ddtree.cli import main
 from ddtree.perf.diagnose import DiagnoseError, diagnose, pair_runs
-from ddtree.records import STEP_STAGES, EngineRun, HardwareInfo, Stage, write_records
+from ddtree.records import EngineRun, HardwareInfo, write_records
+from ddtree.vocab import STEP_STAGES, Stage
 
 HW = HardwareInfo("test cpu", 2)
 
@@ -156,3 +157,49 @@ def test_engine_points_carry_the_context_length_of_each_step():
     points = step_points([result([3, 1, 2]), result([4])], prompt_lens=[5, 9])
     assert [p["context_len"] for p in points] == [5, 8, 9, 9]  # prompt + committed so far
     assert "context_len" not in step_points([result([3])])[0]  # prompt lengths unknown
+
+
+def test_a_mismatched_pair_warns_in_one_line(tmp_path, capsys):
+    import dataclasses
+
+    base = run_record([3, 4, 3], [100, 103, 107], costs(10e-3, 1e-6, 1e-3))
+    base = dataclasses.replace(
+        base, threads=1, max_new_tokens=64, prompt_set={"count": 2, "lengths": [40, 60]}
+    )
+    same = dataclasses.replace(base)
+    other = dataclasses.replace(base, threads=2, max_new_tokens=128, dtype="bfloat16")
+    paths = {}
+    for name, rec in (("a", base), ("same", same), ("other", other)):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        write_records(paths[name], [rec])
+    assert main(["diagnose", str(paths["a"]), str(paths["same"])]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["diagnose", str(paths["a"]), str(paths["other"]), "--json"]) == 0
+    out = capsys.readouterr()
+    (line,) = out.err.strip().splitlines()
+    assert line.startswith("warning: A and B differ in max new tokens 64 (A) vs 128 (B); ")
+    assert "threads 1 (A) vs 2 (B)" in line and "dtype float32 (A) vs bfloat16 (B)" in line
+    assert "prompts" not in line and "device" not in line
+    assert json.loads(out.out)["warnings"] == [line.removeprefix("warning: ")]
+    # a record from before threads were stored says nothing about them
+    old = dataclasses.replace(other, threads=None)
+    write_records(paths["other"], [old], append=False)
+    assert main(["diagnose", str(paths["a"]), str(paths["other"])]) == 0
+    assert "threads" not in capsys.readouterr().err
+
+
+def test_prompt_sets_of_equal_count_and_total_show_their_lengths():
+    import dataclasses
+
+    from ddtree.perf.consistency import differences
+
+    a = run_record([3], [10], costs(1e-3, 0.0, 0.0))
+    a = dataclasses.replace(a, prompt_set={"count": 2, "lengths": [40, 60]})
+    b = dataclasses.replace(a, prompt_set={"count": 2, "lengths": [50, 50]})
+    c = dataclasses.replace(a, prompt_set={"count": 3, "lengths": [40, 60, 5]})
+    (d,) = differences([("A", a), ("B", b)])
+    assert (
+        d.describe() == "prompts 2 prompts, 100 tok (40, 60) (A) vs 2 prompts, 100 tok (50, 50) (B)"
+    )
+    (d,) = differences([("A", a), ("C", c), ("C", c)])
+    assert d.describe() == "prompts 2 prompts, 100 tok (A) vs 3 prompts, 105 tok (2 C)"

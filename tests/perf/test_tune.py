@@ -12,7 +12,8 @@ from ddtree.perf.acceptance import MeasuredTau, choose_trace, read_acceptance
 from ddtree.perf.calibrate import calibrate
 from ddtree.perf.scenario import ScenarioError, StepAnchor, load_scenario
 from ddtree.perf.tune import TuneCurve, TunePoint, held_out, tune
-from ddtree.records import Acceptance, HardwareInfo, Policy, write_records
+from ddtree.records import Acceptance, HardwareInfo, write_records
+from ddtree.vocab import POLICIES
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "demo_pair_tune.toml"
 
@@ -131,18 +132,20 @@ def test_tune_finds_the_best_budget_and_its_flat_region(tmp_path, acc_file):
 
 
 def _point(budget, p50, tau=3.0):
-    m = MeasuredTau(Policy.DDTREE, 8, budget, tau, tau, tau, 0.9, "trace:x", "t", "d", 1, 1, "f")
-    return TunePoint("b300", Policy.DDTREE, 8, budget, m, {10: p50, 50: p50, 90: p50},
+    m = MeasuredTau(
+        POLICIES["ddtree"], 8, budget, tau, tau, tau, 0.9, "trace:x", "t", "d", 1, 1, "f"
+    )
+    return TunePoint("b300", POLICIES["ddtree"], 8, budget, m, {10: p50, 50: p50, 90: p50},
                      {50: 1.0}, {}, {})  # fmt: skip
 
 
 def test_held_out_compares_predictions_with_measured_runs(tmp_path):
     sf = load_scenario(scenario(tmp_path, "tau = 3.0"))
     points = [_point(4, 100.0), _point(8, 120.0), _point(16, 118.0), _point(32, 90.0)]
-    curve = TuneCurve("b300", Policy.DDTREE, 8, points, points[1], [8, 16], "")
+    curve = TuneCurve("b300", POLICIES["ddtree"], 8, points, points[1], [8, 16], "")
 
     def run(budget, tokens_per_s):
-        point = sf.point_at("b300", Policy.DDTREE, 8, budget)
+        point = sf.point_at("b300", POLICIES["ddtree"], 8, budget)
         return StepAnchor(f"run{budget}", sf.model, point, 3.0, 3.0 / tokens_per_s, "m",
                           from_records=True)  # fmt: skip
 
@@ -173,3 +176,62 @@ def test_tune_command_json_and_report(tmp_path, acc_file, capsys):
     argv = ["tune", str(tmp_path / "s.toml"), "--acceptance", str(acc_file), "--hardware", "nope"]
     assert main(argv) == 2
     assert "unknown hardware ['nope']" in capsys.readouterr().err
+
+
+def test_tune_refuses_a_model_that_does_not_fit_unless_told_to_oversubscribe(
+    tmp_path, acc_file, capsys
+):
+    path = tmp_path / "k2t.toml"
+    path.write_text(
+        '[model]\npreset = "kimi-k2-thinking"\n'
+        '[drafter]\nparams = 1.5e9\nlayers = 3\nprecision = "bf16"\n'
+        '[deployment]\ntp = 1\nconcurrency = 1\ncontext = "2048 tok"\nengine = "eager"\n'
+    )
+    argv = ["tune", str(path), "--acceptance", str(acc_file), "--hardware", "h100-sxm"]
+    argv += ["--samples", "100", "--json"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "more than the 80 GB a GPU has" in err[0]
+    assert "(or pass --allow-oversubscribe)" in err[0]
+    assert main([*argv, "--allow-oversubscribe"]) == 0
+    out = capsys.readouterr()
+    assert "warning:" in out.err
+    doc = json.loads(out.out[out.out.index("{") :])
+    assert {c["hardware"] for c in doc["curves"]} == {"h100-sxm"}
+
+
+def test_tune_warns_when_the_trace_and_the_runs_differ(tmp_path, capsys):
+    import dataclasses
+
+    from ddtree.records import read_records
+
+    runs = Path(__file__).parent / "data" / "demo_pair_cpu_runs.jsonl"
+    (engine, *_) = read_records(runs, kind="engine_run")
+    assert engine.prompt_lengths == [53, 63, 66, 73] and engine.max_new_tokens == 64
+    path = scenario(tmp_path, "tau = 3.0")
+    argv = ["tune", str(path), "--records", str(runs), "--hardware", "this-machine"]
+    argv += ["--samples", "100", "--json"]
+
+    def warned(**acc) -> list[str]:
+        same = {"target": {"name": "target"}, "drafter": {"name": "drafter"}}  # the runs' pair
+        recs = [dataclasses.replace(acceptance(n, t, t - 0.2, t + 0.3), **{**same, **acc})
+                for n, t in TAUS.items()]  # fmt: skip
+        write_records(tmp_path / "acc.jsonl", recs, append=False)
+        assert main([*argv, "--acceptance", str(tmp_path / "acc.jsonl")]) == 0
+        out = capsys.readouterr()
+        lines = [x for x in out.err.splitlines() if x.startswith("warning: ")]
+        assert [x.removeprefix("warning: ") for x in lines] == json.loads(out.out)["warnings"]
+        return lines
+
+    # the trace replayed the engine runs' prompts and length: nothing to say
+    assert warned(prompt_lengths=[53, 63, 66, 73], max_new_tokens=64) == []
+    (line,) = warned(prompt_lengths=[20, 30], max_new_tokens=96)
+    assert line.startswith("warning: the records tune combines differ in prompts ")
+    assert "4 prompts, 255 tok (6 engine_run) vs 2 prompts, 50 tok (6 acceptance)" in line
+    assert "max new tokens 64 (6 engine_run) vs 96 (6 acceptance)" in line
+    # an acceptance record from before prompt lengths were stored: only what it says
+    (line,) = warned(max_new_tokens=96)
+    assert "prompts" not in line and "max new tokens" in line
+    # a trace of another pair of models
+    (line,) = warned(prompt_lengths=[53, 63, 66, 73], max_new_tokens=64, target={"name": "big"})
+    assert "differ in target target (6 engine_run) vs big (6 acceptance):" in line

@@ -4,7 +4,9 @@ from ddtree.perf import units as u
 from ddtree.perf.catalog import (
     CatalogError,
     hardware_from_dict,
+    link_from_dict,
     load_catalog,
+    load_links,
     match_gpu,
     this_machine,
 )
@@ -66,7 +68,9 @@ def test_format_round_trip():
 
 def test_catalog_has_every_gpu_with_a_source_for_every_figure():
     cat = load_catalog()
-    want = {"rtx-pro-6000", "h100-sxm", "h200", "b200", "b300", "gb300", "mi300x", "mi355x"}
+    want = {"rtx-pro-6000", "h100-sxm", "h200", "b200", "b300", "gb300", "mi300x", "mi355x",
+            "h20", "a100-sxm-80gb", "h100-pcie", "h100-nvl", "l40s", "gb200", "mi325x",
+            "rtx-5090"}  # fmt: skip
     assert want <= set(cat)
     for key, hw in cat.items():
         figures = ["hbm_bandwidth", "memory", "link_bandwidth", "allreduce_latency"]
@@ -75,7 +79,32 @@ def test_catalog_has_every_gpu_with_a_source_for_every_figure():
             prov = hw.provenance[f]
             assert prov.kind in ("catalog", "assumed"), (key, f)
             assert prov.source, (key, f)
-        assert hw.hbm_bytes_per_s > 1e12 and hw.dense_flops["bf16"] > 1e14
+        assert hw.hbm_bytes_per_s > 5e11 and hw.dense_flops["bf16"] > 1e14
+    # the issue-18 additions, as their datasheets give them (per GPU, dense)
+    assert cat["h20"].hbm_bytes_per_s == 4e12 and cat["h20"].dense_flops["bf16"] == 148e12
+    assert cat["l40s"].hbm_bytes_per_s == 864e9 and cat["l40s"].interconnect.startswith("PCIe 4")
+    assert cat["h100-pcie"].dense_flops["bf16"] * 2 == cat["h100-pcie"].sparse_flops["bf16"]
+    assert cat["gb200"].gpus_per_node == 72 and cat["h100-sxm"].gpus_per_node == 8
+    assert cat["mi325x"].memory_bytes == 256e9 and cat["rtx-5090"].hbm_bytes_per_s == 1.792e12
+
+
+def test_inter_node_links_have_sources():
+    links = load_links()
+    assert {"ib-ndr", "ib-xdr", "roce-400g"} <= set(links)
+    assert links["ib-ndr"].bytes_per_s == 50e9 and links["ib-xdr"].bytes_per_s == 100e9
+    for link in links.values():
+        assert all(p.source for p in link.provenance.values()), link.key
+    with pytest.raises(CatalogError, match="s.toml: link.x needs 'allreduce_latency'"):
+        link_from_dict("x", {"bandwidth": "50 GB/s"}, "s.toml")
+
+
+@pytest.mark.parametrize(
+    "device,key",
+    [("NVIDIA H20", "h20"), ("NVIDIA L40S", "l40s"), ("NVIDIA GeForce RTX 5090", "rtx-5090"),
+     ("AMD Instinct MI325X", "mi325x")],
+)  # fmt: skip
+def test_new_entries_match_their_device_names(device, key):
+    assert match_gpu(device).key == key
 
 
 def test_dense_and_sparse_kept_apart():
@@ -111,6 +140,47 @@ def test_presets_match_reference_arithmetic():
     assert PRESETS["deepseek-v3"].active_params() == pytest.approx(36.5e9, rel=0.01)
 
 
+@pytest.mark.parametrize(
+    "name,active,total",
+    [("llama-2-7b", 6.61e9, 6.74e9), ("llama-3.1-70b", 69.5e9, 70.55e9),
+     ("gpt-oss-120b", 5.13e9, None), ("gpt-oss-20b", 3.61e9, None), ("glm-4.5", 32.8e9, None),
+     ("qwen3-30b-a3b", 3.03e9, None)],
+)  # fmt: skip
+def test_new_presets_have_their_published_sizes(name, active, total):
+    # published: Llama 2 7B 6.74 B, Llama 3.1 70B 70.6 B, gpt-oss-120b 5.1 B active,
+    # gpt-oss-20b 3.6 B active, GLM-4.5 32 B active, Qwen3-30B-A3B 3.3 B active (with embeddings)
+    m = PRESETS[name]
+    assert m.active_params() == pytest.approx(active, rel=0.01)
+    if total is not None:  # dense: active + the input embedding
+        assert m.active_params() + m.lm_head_params == pytest.approx(total, rel=0.01)
+    assert m.max_positions > 0
+
+
+def test_sliding_window_layers_read_at_most_the_window():
+    m = PRESETS["gpt-oss-120b"]
+    assert (m.sliding_layers, m.sliding_window) == (18, 128)
+    assert m.kv_tokens_read(2048) == 18 * 2048 + 18 * 128
+    assert m.kv_tokens_read(100) == 36 * 100
+    assert PRESETS["llama-3.1-8b"].kv_tokens_read(2048) == 32 * 2048
+
+
+def test_gpt_oss_config_reads_experts_window_and_mxfp4(tmp_path):
+    cfg = {
+        "num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 96,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "max_position_embeddings": 4096, "quantization_config": {"quant_method": "mxfp4"},
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
+    m = load_model({"config": str(tmp_path)}, "s.toml")
+    assert (m.n_routed_experts, m.top_k, m.moe_intermediate_size) == (8, 2, 96)
+    assert (m.sliding_window, m.sliding_layers, m.max_positions) == (32, 2, 4096)
+    assert (
+        m.precision["routed_experts"] == "mxfp4" and m.bytes_per_param("routed_experts") == 0.53125
+    )
+
+
 def test_shape_from_hf_config(tmp_path):
     cfg = {
         "model_type": "qwen3",
@@ -139,19 +209,20 @@ def test_shape_from_hf_config(tmp_path):
     [
         ("NVIDIA H100 80GB HBM3", "h100-sxm"),
         ("NVIDIA H100 SXM5 80GB", "h100-sxm"),
-        ("NVIDIA H100 PCIe", None),  # not the SXM part (a first-word match said h100-sxm)
-        ("NVIDIA H100 NVL", None),
+        ("NVIDIA H100 PCIe", "h100-pcie"),  # not the SXM part (a first-word match said h100-sxm)
+        ("NVIDIA H100 NVL", "h100-nvl"),
         ("NVIDIA GB300", "gb300"),  # not a B300 (a substring match could say b300)
         ("NVIDIA B300 SXM6 AC", "b300"),
         ("NVIDIA B200", "b200"),
-        ("NVIDIA GB200", None),
+        ("NVIDIA GB200", "gb200"),  # not a B200
         ("NVIDIA H200", "h200"),
         ("NVIDIA H200 NVL", None),
         ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "rtx-pro-6000"),
         ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", None),
         ("AMD Instinct MI300X", "mi300x"),
         ("NVIDIA A800-SXM4-80GB", "a800"),
-        ("NVIDIA A100-SXM4-80GB", None),
+        ("NVIDIA A100-SXM4-80GB", "a100-sxm-80gb"),
+        ("NVIDIA A100 80GB PCIe", None),  # the PCIe part is not in the catalog
     ],
 )
 def test_gpu_names_match_whole_words_of_one_entry(device, key):
@@ -172,7 +243,7 @@ def test_this_machine_on_a_gpu_takes_the_catalog_flops_and_the_measured_bandwidt
     assert hw.dense_flops == h100.dense_flops and hw.overlaps_memory_and_compute
     assert hw.provenance["hbm_bandwidth"].kind == "measured"
     assert hw.provenance["bf16_dense"].kind == "catalog"
-    with pytest.raises(CatalogError, match="'NVIDIA A100-SXM4-80GB', which is not in the"):
-        this_machine([_bandwidth_record("cuda", "NVIDIA A100-SXM4-80GB")])
+    with pytest.raises(CatalogError, match="'NVIDIA A100 80GB PCIe', which is not in the"):
+        this_machine([_bandwidth_record("cuda", "NVIDIA A100 80GB PCIe")])
     cpu = this_machine([_bandwidth_record("cpu", bytes_per_s=2e10)])
     assert cpu.provenance["bf16_dense"].kind == "assumed" and not cpu.overlaps_memory_and_compute

@@ -1,12 +1,14 @@
 """Calibration: fit the cost model's free parameters to measured anchors.
 
 Every parameter has a prior (its default and plausible range, from ``cost.default_params``
-or the scenario). The fit minimises, in log space,
+or the scenario). The fit works on theta = ln p, or logit p for an efficiency (a fraction of a
+peak: the logit keeps every draw strictly between 0 and 1, so no Monte Carlo sample reaches
+or passes the roofline and none is clipped onto it), and minimises
 
-    sum_anchors (ln(predicted / measured) / sigma_anchor)^2 + sum_params ((ln p - ln p0) / sigma_p)^2
+    sum_anchors (ln(predicted / measured) / sigma_anchor)^2 + sum_params ((theta - theta0) / sigma_p)^2
 
-with sigma_anchor its relative measurement noise (``noise``) and sigma_p = ln(high / low) / 4
-(the range is about +-2 sigma). With few anchors the priors hold the unconstrained
+with sigma_anchor its relative measurement noise (``noise``) and sigma_p = (theta(high) -
+theta(low)) / 4 (the range is about +-2 sigma). With few anchors the priors hold the unconstrained
 parameters where they were, so any subset of anchors gives an answer; the Laplace
 covariance (J^T J)^-1 of the same problem is the uncertainty the Monte Carlo samples, with
 the correlations the anchors impose (a larger overhead goes with a higher efficiency when
@@ -30,7 +32,7 @@ import numpy as np
 
 from ddtree.perf.cost import ParamSpec, moe_layer_s, prefill_cost, step_cost
 from ddtree.perf.scenario import Anchor, MoeAnchor, StageAnchor, StepAnchor
-from ddtree.records import Stage
+from ddtree.vocab import Stage
 
 
 @dataclass
@@ -49,8 +51,8 @@ class Residual:
 class Calibration:
     names: list[str]  # parameters that were free (in the order of ``mean_log`` / ``cov_log``)
     values: dict[str, float]  # all parameters (free fitted + fixed)
-    mean_log: np.ndarray  # [K] ln of the fitted free parameters
-    cov_log: np.ndarray  # [K, K] Laplace covariance in log space (widened by the misfit)
+    mean_log: np.ndarray  # [K] theta (ln, logit for an efficiency) of the fitted free parameters
+    cov_log: np.ndarray  # [K, K] Laplace covariance in theta (widened by the misfit)
     prior_sd_log: np.ndarray  # [K]
     residuals: list[Residual]
     anchors_used: list[str]
@@ -72,9 +74,27 @@ class Calibration:
         return bool(np.sqrt(self.cov_log[i, i]) < 0.5 * self.prior_sd_log[i])
 
 
+def anchor_seconds(a: StepAnchor, params: dict):
+    """What a step anchor measured, predicted: the step time, or for an e2e figure one
+    request's wall time (its TTFT the measured one, else the predicted prefill)."""
+    step = step_cost(a.model, a.point, params, a.tau).step_s
+    if not a.e2e:
+        return step
+    prefill = 0.0
+    if a.metric.ttft_s is None:
+        prefill = prefill_cost(a.model, a.point, params, a.metric.prompt_tokens).step_s
+    return a.metric.wall_s(step, a.tau, prefill)
+
+
+def anchor_tokens_per_s(a: StepAnchor, params: dict):
+    """Predicted tokens/s in the anchor's own metric."""
+    secs = anchor_seconds(a, params)
+    return a.tokens_per_s_at(secs, secs) if a.e2e else a.tokens_per_s_at(secs)
+
+
 def predict(anchor: Anchor, params: dict) -> tuple[str, float | np.ndarray]:
     if isinstance(anchor, StepAnchor):
-        return "step_s", step_cost(anchor.model, anchor.point, params, anchor.tau).step_s
+        return ("e2e_s" if anchor.e2e else "step_s"), anchor_seconds(anchor, params)
     if isinstance(anchor, MoeAnchor):
         return "moe_s_per_layer", moe_layer_s(
             anchor.model, anchor.hardware, anchor.m, params, anchor.tp, anchor.curve
@@ -90,7 +110,7 @@ def predict(anchor: Anchor, params: dict) -> tuple[str, float | np.ndarray]:
 
 def measured(anchor: Anchor) -> float:
     if isinstance(anchor, StepAnchor):
-        return anchor.step_s
+        return anchor.wall_s if anchor.e2e else anchor.step_s
     if isinstance(anchor, StageAnchor):
         return anchor.seconds
     return anchor.s_per_layer
@@ -105,9 +125,34 @@ def _run_of(anchor: Anchor) -> str | None:
     return None
 
 
+def is_efficiency(name: str) -> bool:
+    """A fraction of a hardware peak (``moe_efficiency``, ``weights_efficiency@...``)."""
+    return name.split("@")[0].endswith("efficiency")
+
+
+def to_theta(name: str, value):
+    """The fit's coordinate: logit for an efficiency, ln otherwise."""
+    v = np.asarray(value, dtype=float)
+    return np.log(v / (1.0 - v)) if is_efficiency(name) else np.log(v)
+
+
+def from_theta(name: str, theta):
+    """The inverse of ``to_theta``: an efficiency comes back in (0, 1), never 1."""
+    t = np.asarray(theta, dtype=float)
+    return 1.0 / (1.0 + np.exp(-t)) if is_efficiency(name) else np.exp(t)
+
+
+def _range(spec: ParamSpec) -> tuple[float, float]:
+    """The prior's (low, high); an efficiency's held inside (0, 1) (a fraction of a peak)."""
+    if is_efficiency(spec.name):
+        return max(spec.low, 1e-6), min(spec.high, 1.0 - 1e-6)
+    return spec.low, spec.high
+
+
 def _bounds(spec: ParamSpec) -> tuple[float, float]:
-    hi = 1.0 if spec.name.split("@")[0].endswith("efficiency") else spec.high * 10
-    return np.log(max(spec.low / 10, 1e-12)), np.log(hi)
+    if is_efficiency(spec.name):
+        return to_theta(spec.name, spec.low / 10), to_theta(spec.name, 1.0 - 1e-6)
+    return np.log(max(spec.low / 10, 1e-12)), np.log(spec.high * 10)
 
 
 def _log_residuals(anchors: Sequence[Anchor], params: dict) -> list:
@@ -125,14 +170,15 @@ def calibrate(
     fixed = dict(fixed or {})
     anchors = list(anchors)
     names = [n for n in specs if n not in fixed]
-    mu0 = np.log([specs[n].default for n in names])  # [K]
-    sd0 = np.array([max(np.log(specs[n].high / specs[n].low) / 4, 1e-3) for n in names])
+    mu0 = np.array([to_theta(n, specs[n].default) for n in names])  # [K]
+    sd0 = np.array([max(float(np.subtract(*to_theta(n, _range(specs[n]))[::-1])) / 4, 1e-3)
+                    for n in names])  # fmt: skip
     lo, hi = np.array([_bounds(specs[n]) for n in names]).reshape(-1, 2).T
     n_a = len(anchors)
 
     def residuals(theta: np.ndarray) -> np.ndarray:
         # theta: [K, S] (S candidate parameter vectors evaluated together) -> [A + K, S]
-        params = {**fixed, **{n: np.exp(theta[i]) for i, n in enumerate(names)}}
+        params = {**fixed, **{n: from_theta(n, theta[i]) for i, n in enumerate(names)}}
         rows = _log_residuals(anchors, params)
         rows += [(theta[i] - mu0[i]) / sd0[i] for i in range(len(names))]
         return np.array([np.broadcast_to(r, theta.shape[1:]) for r in rows])
@@ -145,7 +191,7 @@ def calibrate(
         return r[:, 0], (r[:, 1:] - r[:, :1]) / eps
 
     def result(theta, cov, scale=1.0, k_eff=0.0) -> Calibration:
-        values = {**fixed, **{n: float(np.exp(theta[i])) for i, n in enumerate(names)}}
+        values = {**fixed, **{n: float(from_theta(n, theta[i])) for i, n in enumerate(names)}}
         res = [Residual(a.name, predict(a, values)[0], measured(a), float(predict(a, values)[1]))
                for a in anchors]  # fmt: skip
         return Calibration(names, values, theta, cov, sd0, res, [a.name for a in anchors],
@@ -196,13 +242,16 @@ def misfit_scale(
     return max(1.0, float(anchor_r @ anchor_r) / dof), k_eff
 
 
-MIN_ESS_FRACTION = 0.02  # below this effective sample fraction, keep the Laplace draws
+MIN_ESS_FRACTION = 0.02
+MIN_EFFECTIVE_SAMPLES = 100
+"""Resampling needs an effective sample size of 2% of the draws or 100, whichever is fewer
+(``min_effective``): below it the resampled set would repeat a handful of draws, so the
+Laplace draws are kept. At 100 a p10 or p90 of the resampled set is within about +-3
+percentile points (sqrt(0.1 x 0.9 / 100))."""
 
 
-def _clip_efficiencies(params: dict, names: list[str]) -> None:
-    for name in names:
-        if name.split("@")[0].endswith("efficiency"):
-            params[name] = np.minimum(params[name], 1.0)
+def min_effective(n: int) -> float:
+    return min(MIN_EFFECTIVE_SAMPLES, MIN_ESS_FRACTION * n)
 
 
 @dataclass
@@ -217,7 +266,7 @@ class PosteriorDraws:
 
     @property
     def resampled(self) -> bool:
-        return self.weighted and self.effective_samples >= MIN_ESS_FRACTION * self.n
+        return self.weighted and self.effective_samples >= min_effective(self.n)
 
     def describe(self) -> str:
         ess = f"ESS {self.effective_samples:.0f} of {self.n}"
@@ -231,35 +280,63 @@ class PosteriorDraws:
         )
 
 
+def _params_of(cal: Calibration, draws: np.ndarray) -> dict:
+    """theta draws [n, K] -> parameter samples (the fixed ones as they are)."""
+    return {**cal.fixed, **{nm: from_theta(nm, draws[:, i]) for i, nm in enumerate(cal.names)}}
+
+
+def _log_weights(cal: Calibration, draws: np.ndarray, mean: np.ndarray, cov: np.ndarray):
+    """ln(posterior / proposal) of theta draws [n, K] from N(mean, cov), up to a constant:
+    the fit's own objective (anchor residuals over their noise, deflated by the misfit, plus
+    the priors) against the proposal's quadratic form."""
+    params = _params_of(cal, draws)
+    chi2_a = sum(r**2 for r in _log_residuals(cal.anchors, params)) / cal.misfit_scale
+    chi2_p = (((draws - cal.prior_mean_log) / cal.prior_sd_log) ** 2).sum(axis=1)
+    d = draws - mean
+    chi2_q = np.einsum("ni,ij,nj->n", d, np.linalg.pinv(cov), d)
+    return -0.5 * (chi2_a + chi2_p - chi2_q), params
+
+
+def _ess(log_w: np.ndarray) -> tuple[float, np.ndarray]:
+    w = np.exp(log_w - log_w.max())
+    return float(w.sum() ** 2 / (w**2).sum()), w / w.sum()
+
+
 def posterior_samples(cal: Calibration, n: int, rng: np.random.Generator) -> PosteriorDraws:
     """``n`` parameter vectors from the calibration's posterior.
 
-    Draws from the Laplace Gaussian (the proposal), then resamples them with weights
-    posterior / proposal, the posterior being the fit's own objective (anchor residuals over
-    their noise, deflated by ``misfit_scale``, plus the priors; efficiencies capped at 1).
-    Where the model is close to linear this is the Gaussian; where it is not (a sum of terms
-    that each fall as 1 / efficiency) it removes the Gaussian's bias, so a case at an
-    anchor's configuration centres on that anchor. When the weights are too uneven (effective
-    sample size under ``MIN_ESS_FRACTION`` of n: many anchors that disagree), resampling
-    would keep a handful of draws; the Laplace draws are kept instead, and say so.
+    Importance sampling in two rounds: draws from the Laplace Gaussian are weighted by
+    posterior / proposal (the posterior being the fit's own objective: anchor residuals over
+    their noise, deflated by ``misfit_scale``, plus the priors, in theta, so an efficiency's
+    draws lie in (0, 1) without clipping); the weighted draws' mean and covariance (with a
+    tenth of the Laplace covariance added, so no direction collapses) are the second round's
+    proposal, which sits closer to the posterior and gives more even weights; the round with
+    the larger effective sample size is resampled. Where the model is close to linear this is
+    the Gaussian; where it is not (a sum of terms that each fall as 1 / efficiency) it removes
+    the Gaussian's bias, so a case at an anchor's configuration centres on that anchor. When
+    the weights are too uneven even so (effective sample size under ``min_effective(n)``:
+    many anchors that disagree), resampling would keep a handful of draws; the Laplace draws
+    are kept instead, and say so.
     """
     out = {k: np.full(n, v, dtype=float) for k, v in cal.values.items()}
     if not cal.names:
         return PosteriorDraws(out, float(n), weighted=False)
     draws = rng.multivariate_normal(cal.mean_log, cal.cov_log, size=n, method="eigh")  # [n, K]
-    params = {**cal.fixed, **{nm: np.exp(draws[:, i]) for i, nm in enumerate(cal.names)}}
-    _clip_efficiencies(params, cal.names)
+    params = _params_of(cal, draws)
     ess = float(n)
     if cal.anchors:
-        chi2_a = sum(r**2 for r in _log_residuals(cal.anchors, params)) / cal.misfit_scale
-        chi2_p = (((draws - cal.prior_mean_log) / cal.prior_sd_log) ** 2).sum(axis=1)
-        d = draws - cal.mean_log
-        chi2_q = np.einsum("ni,ij,nj->n", d, np.linalg.pinv(cal.cov_log), d)
-        log_w = -0.5 * (chi2_a + chi2_p - chi2_q)
-        w = np.exp(log_w - log_w.max())
-        ess = float(w.sum() ** 2 / (w**2).sum())
-        if ess >= MIN_ESS_FRACTION * n:
-            pick = rng.choice(n, size=n, p=w / w.sum())
+        log_w, params = _log_weights(cal, draws, cal.mean_log, cal.cov_log)
+        ess, w = _ess(log_w)
+        mean2 = w @ draws  # [K]
+        dev = draws - mean2
+        cov2 = (dev * w[:, None]).T @ dev + 0.1 * cal.cov_log  # [K, K]
+        draws2 = rng.multivariate_normal(mean2, cov2, size=n, method="eigh")
+        log_w2, params2 = _log_weights(cal, draws2, mean2, cov2)
+        ess2, w2 = _ess(log_w2)
+        if ess2 > ess:
+            ess, w, params = ess2, w2, params2
+        if ess >= min_effective(n):
+            pick = rng.choice(n, size=n, p=w)
             params = {k: v[pick] if np.ndim(v) else v for k, v in params.items()}
     for name in cal.names:
         out[name] = params[name]
@@ -311,8 +388,7 @@ def backtest(
     rows = []
 
     def row(a: StepAnchor, cal: Calibration) -> BacktestRow:
-        step = float(step_cost(a.model, a.point, cal.values, a.tau).step_s)
-        return BacktestRow(a.name, a.tokens_per_s, a.point.concurrency * a.tau / step)
+        return BacktestRow(a.name, a.tokens_per_s, float(anchor_tokens_per_s(a, cal.values)))
 
     if train_budgets:
         cal = calibrate(training_anchors(anchors, train_budgets), specs, fixed)

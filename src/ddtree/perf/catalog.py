@@ -28,8 +28,11 @@ _FIGURES: dict[str, Dim] = {
     **{f"{p}_dense": FLOP_RATE for p in PRECISIONS},
     **{f"{p}_sparse": FLOP_RATE for p in PRECISIONS},
 }
-_TEXT_FIELDS = ("name", "interconnect", "base")
+_TEXT_FIELDS = ("name", "interconnect", "base", "host_cpu")
 _LIST_FIELDS = ("match",)
+_INT_FIELDS = ("gpus_per_node",)
+DEFAULT_GPUS_PER_NODE = 8
+"""GPUs that share an entry's interconnect when the entry does not say (an HGX node)."""
 
 
 class CatalogError(ValueError):
@@ -67,6 +70,11 @@ class Hardware:
     # runs ddtree's own MoE, which in eager mode loops over the touched experts (a few kernels
     # each); GPU serving engines run a fused MoE kernel. True for ``this_machine`` (our records)
     looped_moe: bool = False
+    # GPUs that share ``interconnect`` (an HGX node: 8; a GB200 NVL72 rack: 72); a group larger
+    # than this spans nodes and needs an inter-node ``Link``
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+    # the host CPU class (``data/hosts.toml``) that runs the engine's host side
+    host_cpu: str = "xeon-8480c"
 
     def peak_flops(self, precision: str) -> float:
         """Dense FLOP/s for a compute precision; falls back to the next wider one."""
@@ -99,12 +107,16 @@ def hardware_from_dict(
     default_kind: str = "catalog",
 ) -> Hardware:
     """Build a Hardware from a TOML table; ``base`` supplies any figure not given."""
-    unknown = set(entry) - set(_FIGURES) - set(_TEXT_FIELDS) - set(_LIST_FIELDS)
+    known = [*_TEXT_FIELDS, *_LIST_FIELDS, *_INT_FIELDS, *_FIGURES]
+    unknown = set(entry) - set(known)
     if unknown:
         raise CatalogError(
             f"{where}: hardware.{key} has unknown field(s) {', '.join(sorted(unknown))}; "
-            f"known: {', '.join(list(_TEXT_FIELDS) + list(_LIST_FIELDS) + list(_FIGURES))}"
+            f"known: {', '.join(known)}"
         )
+    per_node = entry.get("gpus_per_node", base.gpus_per_node if base else DEFAULT_GPUS_PER_NODE)
+    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+        raise CatalogError(f"{where}: hardware.{key}.gpus_per_node must be an integer >= 1")
     match = entry.get("match", base.match if base else ())
     if not isinstance(match, (list, tuple)) or not all(isinstance(m, str) for m in match):
         raise CatalogError(f"{where}: hardware.{key}.match must be a list of strings")
@@ -122,6 +134,7 @@ def hardware_from_dict(
     text = {
         "name": base.name if base else key,
         "interconnect": base.interconnect if base else "",
+        "host_cpu": base.host_cpu if base else REFERENCE_HOST,
     }
     for name in _TEXT_FIELDS:
         if name in entry and name != "base":
@@ -160,7 +173,89 @@ def hardware_from_dict(
         allreduce_latency_s=vals["allreduce_latency"],
         provenance=prov,
         match=tuple(match),
+        gpus_per_node=per_node,
+        host_cpu=text["host_cpu"],
     )
+
+
+REFERENCE_HOST = "xeon-8480c"
+"""The host whose speed is 1: the engine profiles' host costs are this host's."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """A host CPU class: its single-thread speed relative to ``REFERENCE_HOST`` scales the
+    engine's host work (framework overhead, kernel launches, host tree build)."""
+
+    key: str
+    name: str
+    speed: float
+    low: float
+    high: float
+    provenance: Provenance
+
+    @property
+    def param(self) -> str | None:
+        """The parameter that carries its speed (None for the reference: speed 1)."""
+        return None if self.key == REFERENCE_HOST else f"host_speed.{self.key}"
+
+
+def load_hosts() -> dict[str, Host]:
+    """The host CPU classes (``data/hosts.toml``)."""
+    text = resources.files("ddtree.perf").joinpath("data/hosts.toml").read_text()
+    where = "ddtree/perf/data/hosts.toml"
+    out = {}
+    for key, e in tomllib.loads(text).items():
+        value, prov = _figure(e, key, "speed", where, "catalog")
+        v = float(value)
+        out[key] = Host(key, str(e["name"]), v, float(e.get("low", v)), float(e.get("high", v)),
+                        prov)  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between nodes (InfiniBand, RoCE): what a TP or EP group uses between GPUs of
+    different nodes. Per GPU (one NIC each), per direction."""
+
+    key: str
+    name: str
+    bytes_per_s: float
+    allreduce_latency_s: float  # small-message all-reduce of a group that spans nodes
+    provenance: dict[str, Provenance] = field(default_factory=dict)
+
+
+_LINK_FIGURES: dict[str, Dim] = {"bandwidth": BANDWIDTH, "allreduce_latency": TIME}
+
+
+def link_from_dict(key: str, entry: dict[str, Any], where: str, default_kind: str = "catalog"):
+    """A ``Link`` from a ``[link.NAME]`` table (``bandwidth``, ``allreduce_latency``, ``name``)."""
+    unknown = set(entry) - set(_LINK_FIGURES) - {"name"}
+    if unknown:
+        raise CatalogError(
+            f"{where}: link.{key} has unknown field(s) {', '.join(sorted(unknown))}; "
+            f"known: name, {', '.join(_LINK_FIGURES)}"
+        )
+    vals, prov = {}, {}
+    for name, dim in _LINK_FIGURES.items():
+        if name not in entry:
+            raise CatalogError(f"{where}: link.{key} needs '{name}'")
+        value, prov[name] = _figure(entry, key, name, where, default_kind)
+        try:
+            vals[name] = parse_quantity(value, dim, f"{where}: link.{key}.{name}")
+        except UnitError as exc:
+            raise CatalogError(str(exc)) from None
+        if not vals[name] > 0:
+            raise CatalogError(f"{where}: link.{key}.{name} must be positive")
+    return Link(key, str(entry.get("name", key)), vals["bandwidth"], vals["allreduce_latency"],
+                prov)  # fmt: skip
+
+
+def load_links() -> dict[str, Link]:
+    """The built-in inter-node links (``data/links.toml``), keyed ``ib-ndr``, ``ib-xdr``, ..."""
+    text = resources.files("ddtree.perf").joinpath("data/links.toml").read_text()
+    where = "ddtree/perf/data/links.toml"
+    return {k: link_from_dict(k, e, where) for k, e in tomllib.loads(text).items()}
 
 
 def _words(text: str) -> set[str]:

@@ -15,18 +15,19 @@ overhead, tree build on the CPU) stay constant across GPUs. Weights are read onc
 for the whole batch; KV reads, FLOPs and host work grow with C.
 
 Every component function returns a ``Component`` tagged with the ``Stage`` the engine times
-it in (``ddtree.records.Stage``), so a measured stage is fitted by exactly the components
+it in (``ddtree.vocab.Stage``), so a measured stage is fitted by exactly the components
 tagged with it. The target forward (``TARGET_FORWARD``) is costed for a ``Forward``: the
 verify (M tokens per request over the cached context) or the prefill (the prompt, no
 context).
 
-Policies (``ddtree.records.Policy``): ``ar`` is the target forward at M = 1 and the step
-overhead, nothing else (no drafter, top-k, tree or acceptance); ``chain`` is a tree of budget
-B-1 with one candidate per depth (K = 1: an argmax); ``ddtree`` takes K = min(N, V) candidates
-per depth, as the published code does.
+Policies (``ddtree.vocab.Policy``) set the tree: its budget and the candidates per depth K
+(``chain``: budget B-1, K = 1, an argmax; ``ddtree``: K = min(N, V), as the published code
+does). A policy without a drafter (``ar``) is the target forward at M = 1 and the step
+overhead, nothing else (no drafter, top-k, tree or acceptance).
 
 Engine modes are ``EngineProfile``s (``ENGINES``): ``eager`` (Python dispatch per kernel),
-``graphs`` (CUDA-graph replay: a launch costs a fraction, a per-step host cost remains) and
+``graphs`` (CUDA-graph replay: a launch costs a fraction, a per-step host cost remains),
+``cpp`` (kernels launched one by one from C++, no Python, no graphs: llama.cpp) and
 ``native`` (graph replay with the tree built on the device). Their host figures are
 parameters ``<profile>.<what>`` (``ENGINE_PARAMS``), fitted per profile to the anchors that
 ran in it; device efficiencies are shared by every profile.
@@ -39,16 +40,16 @@ from __future__ import annotations
 import math
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import cache
 from importlib import resources
 
 import numpy as np
 
-from ddtree.perf.catalog import Hardware
+from ddtree.perf.catalog import Hardware, Link, load_hosts
 from ddtree.perf.model import COMPUTE_PRECISION, PRECISION_BYTES, ModelShape
-from ddtree.records import Policy, Stage
+from ddtree.vocab import AR, DEFAULT_POLICY, Drafting, Policy, Stage, get_policy
 
 
 def _load_kernels() -> dict[str, float]:
@@ -76,6 +77,15 @@ class ParamSpec:
     about: str
 
 
+LINK_CLASSES = ("pcie", "nvlink", "fabric", "inter_node")
+INTER_NODE_SCALE_HIGH = 4.0
+"""The inter-node latency's prior reaches 4x the catalog's: the catalog takes NCCL's own
+tuning-model estimate (25 us), and the one measurement beside it in the same log (NVIDIA/nccl
+#1453: 61.58 us for a 128-byte all-reduce across H100 nodes) is 2.4x that."""
+"""Which ``allreduce_scale`` applies: the hardware's interconnect class (``link_class``), or
+``inter_node`` for a group that spans nodes (the inter-node ``Link``'s latency)."""
+
+
 def engine_param(engine: str, what: str) -> str:
     return f"{engine}.{what}"
 
@@ -98,10 +108,20 @@ BASE_PARAMS: dict[str, ParamSpec] = {
         ),
         *(
             ParamSpec(
-                f"allreduce_scale.{link}", 1.0, 0.5, 2.0, "", False,
+                f"allreduce_scale.{link}", 1.0, 0.5, INTER_NODE_SCALE_HIGH if link == "inter_node"
+                else 2.0, "", False,
                 f"multiplier on the catalog all-reduce latency over {link} (assumed figures)",
             )
-            for link in ("pcie", "nvlink", "fabric")
+            for link in LINK_CLASSES
+        ),
+        *(
+            ParamSpec(
+                h.param, h.speed, h.low, h.high, "", True,
+                f"single-thread speed of the {h.name} over the reference host: divides the "
+                f"engine's host costs and kernel launches ({h.provenance.label()})",
+            )
+            for h in load_hosts().values()
+            if h.param is not None
         ),
     ]
 }  # fmt: skip
@@ -155,7 +175,9 @@ class EngineProfile:
         return out
 
 
+_TOPK = dict(topk_fixed_s=10e-6, topk_per_candidate_s=2e-9)
 _HOST_TREE = dict(
+    **_TOPK,
     tree_fixed_s=100e-6,
     tree_per_node_s=3e-6,
     layout_fixed_s=30e-6,
@@ -165,7 +187,8 @@ _HOST_TREE = dict(
     commit_fixed_s=30e-6,
 )
 _HOST_TREE_ABOUT = (
-    "tree built on the CPU (heap ~90 µs at N=32, ~3 µs per node at N=1024: DESIGN.md)"
+    "tree built on the CPU (heap ~90 µs at N=32, ~3 µs per node at N=1024: the published "
+    "DDTree code's Python heap and visibility loop, timed on a 2-core CPU)"
 )
 
 ENGINES: dict[str, EngineProfile] = {
@@ -173,8 +196,6 @@ ENGINES: dict[str, EngineProfile] = {
         "eager",
         step_overhead_s=5e-3,
         launch_s=1e-6,
-        topk_fixed_s=10e-6,
-        topk_per_candidate_s=2e-9,
         **_HOST_TREE,
         about="eager PyTorch (HF transformers, the seed's SGLang DDTree path): Python dispatch "
         f"per kernel, {_HOST_TREE_ABOUT}",
@@ -183,18 +204,25 @@ ENGINES: dict[str, EngineProfile] = {
         "graphs",
         step_overhead_s=0.5e-3,
         launch_s=0.4e-6,
-        topk_fixed_s=10e-6,
-        topk_per_candidate_s=2e-9,
         **_HOST_TREE,
         about="CUDA-graph replay (SGLang/vLLM decode, torch.compile): a kernel costs a graph "
         f"node, not a Python dispatch; a per-step host cost remains; {_HOST_TREE_ABOUT}",
+    ),
+    "cpp": EngineProfile(
+        "cpp",
+        step_overhead_s=0.3e-3,
+        launch_s=1.2e-6,
+        **_HOST_TREE,
+        about="a C++ runtime that launches every kernel itself, without graph replay or Python "
+        "(llama.cpp's CUDA backend before CUDA graphs): ~20 kernels per GQA layer at a CUDA "
+        "launch of ~4 us each, i.e. ~1.2 us per kernel of ddtree's eager count (KERNELS: 65 per "
+        "GQA layer with its MLP); the step a graph build and sampling on the host (all assumed)",
     ),
     "native": EngineProfile(
         "native",
         step_overhead_s=0.3e-3,
         launch_s=0.15e-6,
-        topk_fixed_s=10e-6,
-        topk_per_candidate_s=2e-9,
+        **_TOPK,
         tree_fixed_s=15e-6,
         tree_per_node_s=0.05e-6,
         layout_fixed_s=3e-6,
@@ -219,7 +247,12 @@ def default_params(engines: dict[str, EngineProfile] | None = None) -> dict[str,
 
 @dataclass(frozen=True)
 class Drafter:
-    """A block drafter (DFlash style): its own layers, the target's LM head (shared)."""
+    """A drafter: a block drafter (DFlash: one forward over the block), an EAGLE head (one or a
+    few layers run once per draft step), or the target's own MTP layer (``layer_shape``: the
+    target's decoder layer, costed like the target's forward, one layer deep).
+
+    An EAGLE-3 head keeps its own LM head over a smaller draft vocabulary (``lm_head_vocab``);
+    the others share the target's."""
 
     params: float  # non-embedding parameters
     layers: int
@@ -227,6 +260,9 @@ class Drafter:
     kv_bytes_per_token: float = 0.0  # drafter KV cache over the context, all layers
     shares_target_lm_head: bool = True
     source: str = ""
+    lm_head_vocab: int = 0  # its own LM head's vocabulary (0: the target's, shared)
+    layer_shape: ModelShape | None = None  # MTP: one layer of the target's shape
+    projection_params: float = 0.0  # MTP: eh_proj, [embedding; hidden] (2h) -> h
 
 
 @dataclass(frozen=True)
@@ -236,8 +272,10 @@ class Deployment:
     ``dp_attention``: attention, dense MLP layers, shared experts, LM head and drafter are
     replicated on every GPU and each GPU serves ceil(C / GPUs) requests (data parallel), else
     they are tensor-parallel (weights / GPUs, every GPU works on every request).
-    ``expert_parallel``: each GPU holds E / GPUs whole experts, else every expert's
-    intermediate is split over the GPUs.
+    ``moe_ep``: the routed experts are split into ``moe_ep`` groups of E / moe_ep whole
+    experts, each group's experts split over its ``GPUs / moe_ep`` GPUs by their intermediate
+    (MoE TP); None: every GPU is its own group (EP over the whole group); 1: no EP.
+    Example: TensorRT-LLM's DeepSeek-R1 on 8 B200s, attention TP 8 with MoE TP 2 x EP 4.
     Collectives per target forward follow (``collectives_per_forward``): tensor-parallel
     attention ends each attention and each MLP/MoE sublayer with an all-reduce; data-parallel
     attention needs none, and sends tokens to their experts' GPUs and back (two all-to-alls
@@ -246,7 +284,7 @@ class Deployment:
 
     name: str
     dp_attention: bool
-    expert_parallel: bool
+    moe_ep: int | None  # expert-parallel groups; None: one per GPU
     about: str
 
 
@@ -254,24 +292,36 @@ DEPLOYMENTS: dict[str, Deployment] = {
     d.name: d
     for d in (
         Deployment(
-            "tp", False, False,
+            "tp", False, 1,
             "tensor parallel throughout: heads, MLP and every expert's intermediate split over "
             "the GPUs; 2 all-reduces per layer",
         ),
         Deployment(
-            "tp-ep", False, True,
+            "tp-ep", False, None,
             "tensor-parallel attention, E/GPUs whole experts per GPU; every GPU holds every "
             "token after the attention all-reduce, so the MoE output is combined by the "
             "layer's all-reduce (ddtree's --ep runtime)",
         ),
         Deployment(
-            "dp-ep", True, True,
+            "dp-ep", True, None,
             "data-parallel attention (replicated, C/GPUs requests each) and expert-parallel MoE "
             "(E/GPUs experts per GPU): two all-to-alls per MoE layer (dispatch, combine), no "
             "all-reduce (DeepSeek-V3-style large-scale EP serving)",
         ),
     )
 }  # fmt: skip
+
+
+def mixed_deployment(moe_tp: int, moe_ep: int) -> Deployment:
+    """Tensor-parallel attention over the group, routed experts as ``moe_ep`` EP groups each
+    split ``moe_tp`` ways (the group is moe_tp x moe_ep GPUs); the layer's all-reduce combines
+    the MoE output as in ``tp-ep``."""
+    return Deployment(
+        f"tp-attention, MoE TP{moe_tp} x EP{moe_ep}", False, moe_ep,
+        f"tensor-parallel attention over all the GPUs; routed experts in {moe_ep} groups of "
+        f"E/{moe_ep} whole experts, each expert's intermediate split over {moe_tp} GPUs; shared "
+        "experts and dense layers tensor-parallel; 2 all-reduces per layer",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -287,19 +337,52 @@ class Point:
     engine: str
     drafter: Drafter | None
     experts_curve: tuple[tuple[float, float], ...] | None = None  # (tokens, experts) measured
-    policy: Policy = Policy.DDTREE
+    policy: Policy = get_policy(DEFAULT_POLICY)
     deployment: Deployment = DEPLOYMENTS["tp"]
+    draft_topk: int = 1  # tokens a draft step keeps per request (EAGLE / MTP: SGLang's topk)
+    host: str = ""  # host CPU class ("": the hardware entry's host_cpu)
+    gpus_per_node: int = 0  # GPUs sharing the hardware's interconnect (0: the hardware's)
+    inter_node: Link | None = None  # the link between nodes when the group spans several
 
     def __post_init__(self) -> None:
-        want = {Policy.AR: 0, Policy.CHAIN: self.block_size - 1}.get(self.policy)
-        if want is not None and self.budget != want:
+        if self.tp % self.experts_ep:
+            raise ValueError(f"{self.experts_ep} EP groups do not divide {self.tp} GPUs")
+        want = self.policy.budget(self.block_size, self.budget)
+        if self.budget != want:
             raise ValueError(f"a {self.policy} step has budget {want}, got {self.budget}")
-        if self.policy is Policy.DDTREE and self.budget < 1:
-            raise ValueError(f"a ddtree step needs budget >= 1, got {self.budget}")
+        if self.budget < self.policy.min_budget:
+            raise ValueError(
+                f"a {self.policy} step needs budget >= {self.policy.min_budget}, got {self.budget}"
+            )
 
     @property
     def verify_width(self) -> int:
         return self.budget + 1
+
+    @property
+    def host_cpu(self) -> str:
+        """The host CPU class that runs the engine's host side."""
+        return self.host or self.hardware.host_cpu
+
+    @property
+    def experts_ep(self) -> int:
+        """Expert-parallel groups of the routed experts (1: none)."""
+        ep = self.deployment.moe_ep
+        return self.tp if ep is None else ep
+
+    @property
+    def experts_tp(self) -> int:
+        """GPUs each routed expert's intermediate is split over."""
+        return self.tp // self.experts_ep
+
+    @property
+    def per_node(self) -> int:
+        """GPUs of the group within one node (the interconnect's domain)."""
+        return min(self.tp, self.gpus_per_node or self.hardware.gpus_per_node)
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.tp / self.per_node)
 
     @property
     def weight_shards(self) -> int:
@@ -315,7 +398,7 @@ class Point:
 
     def as_ar(self) -> Point:
         """The autoregressive step on the same hardware, TP, context and engine mode."""
-        return replace(self, policy=Policy.AR, budget=0, block_size=1, drafter=None)
+        return replace(self, policy=AR, budget=0, block_size=1, drafter=None)
 
 
 @dataclass(frozen=True)
@@ -358,10 +441,14 @@ class StepCost:
     limit_step_s: float  # hbm_bytes / peak bandwidth
 
     def component(self, name: str) -> Component:
-        for c in self.components:
-            if c.name == name:
-                return c
-        raise KeyError(name)
+        found = self.find(name)
+        if found is None:
+            raise KeyError(name)
+        return found
+
+    def find(self, name: str) -> Component | None:
+        """The component called ``name``, or None (a dense model has no routed MoE)."""
+        return next((c for c in self.components if c.name == name), None)
 
     def stage_s(self, stage: Stage):
         """Seconds of the components the engine times as ``stage`` (0 when there are none)."""
@@ -411,9 +498,18 @@ def scoped_specs(
     return out
 
 
-def engine_value(params: dict, engine: str, what: str, hw: Hardware):
-    """An engine's host parameter, scoped to ``hw`` when the parameters have it."""
-    return param_for(params, engine_param(engine, what), hw)
+def engine_value(params: dict, engine: str, what: str, hw: Hardware, host: str | None = None):
+    """An engine's host parameter, scoped to ``hw`` when the parameters have it, on the host
+    CPU class ``host`` (divided by its ``host_speed``; the reference host's is 1)."""
+    return param_for(params, engine_param(engine, what), hw) / host_speed(params, host)
+
+
+def host_speed(params: dict, host: str | None):
+    """The host class's speed over the reference (1 for the reference, or no class)."""
+    if host is None:
+        return 1.0
+    name = f"host_speed.{host}"
+    return params.get(name, 1.0)
 
 
 def link_class(hw: Hardware) -> str:
@@ -520,7 +616,7 @@ def _stream(
     """A component that streams large contiguous buffers (logits, attention scores) once per
     pass: bytes at the peak bandwidth, plus its kernel launches."""
     secs = nbytes / pt.hardware.hbm_bytes_per_s
-    secs = secs + launches * engine_value(params, pt.engine, "launch", pt.hardware)
+    secs = secs + launches * engine_value(params, pt.engine, "launch", pt.hardware, pt.host_cpu)
     return Component(name, stage, secs, float(np.mean(nbytes)), 0.0, launches, Bound.MEMORY,
                      "1 / HBM bandwidth (streaming at peak)", formula)  # fmt: skip
 
@@ -543,7 +639,7 @@ def _device(
         hw, nbytes, flops, precision, param_for(params, efficiency, hw),
         param_for(params, "compute_efficiency", hw),
     )  # fmt: skip
-    secs = secs + launches * engine_value(params, pt.engine, "launch", hw)
+    secs = secs + launches * engine_value(params, pt.engine, "launch", hw, pt.host_cpu)
     return Component(name, stage, secs, float(np.mean(nbytes)), float(np.mean(flops)),
                      launches, bound, _DEVICE_RULE, formula)  # fmt: skip
 
@@ -551,7 +647,8 @@ def _device(
 def _host(name: str, stage: Stage, pt: Point, seconds, formula: str) -> Component:
     return Component(
         name, stage, seconds, 0.0, 0.0, 0.0, Bound.HOST,
-        f"{pt.engine} engine: constant across GPUs", formula,
+        f"{pt.engine} engine on the {pt.host_cpu} host: constant across GPUs, / host speed",
+        formula,
     )  # fmt: skip
 
 
@@ -568,8 +665,13 @@ def attention(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Compo
     context and the ``width`` new keys (the tree mask is dense ``[M, S + M]``)."""
     L, C, tp = model.num_layers, pt.requests_per_gpu, pt.weight_shards
     T = fwd.width * C
-    weights = L * model.attention_params_per_layer * model.bytes_per_param("attention") / tp
-    kv = C * L * fwd.context * model.kv_bytes_per_token_layer() / _kv_shard(model, tp)
+    weights = L * model.attention_params_per_shard(tp) * model.bytes_per_param("attention")
+    kv = (
+        C
+        * model.kv_tokens_read(fwd.context)
+        * model.kv_bytes_per_token_layer()
+        / _kv_shard(model, tp)
+    )
     flops = 2.0 * T * L * model.attention_params_per_layer / tp + (
         T * L * (fwd.context + fwd.width) * model.attention_flops_per_query_key() / tp
     )
@@ -577,7 +679,9 @@ def attention(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Compo
         "attention (weights + KV)", fwd.stage, pt, params, weights + kv, flops,
         COMPUTE_PRECISION[model.precision["attention"]],
         L * KERNELS["attention" if model.attention == "mla" else "attention_gqa"],
-        "L x attn params x bytes/param / TP + C x L x context x KV bytes/token "
+        "L x attn params x bytes/param / TP (K/V projections replicated past the KV heads) + "
+        "C x L x context (sliding layers: at most the "
+        "window) x KV bytes/token "
         "(FLOPs 2 x M x C x L x attn params + M x C x L x (context + M) x FLOPs/query-key)",
     )  # fmt: skip
 
@@ -602,12 +706,14 @@ def routed_moe(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Comp
     if not Lm:
         return None
     tokens = fwd.width * pt.concurrency
-    if pt.deployment.expert_parallel:
-        nbytes, flops, prec = expert_parallel_moe_layer(model, tokens, pt.tp, pt.experts_curve)
+    if pt.experts_ep > 1:
+        ep, etp = pt.experts_ep, pt.experts_tp
+        nbytes, flops, prec = expert_parallel_moe_layer(model, tokens, ep, pt.experts_curve)
+        nbytes, flops = nbytes / etp, flops / etp
         formula = (
-            "L_moe x E[max over GPUs of experts touched on a GPU] x expert params x bytes/param "
-            "(each GPU's E/GPUs experts touched independently with p = 1-(1-k/E)^(M*C)); "
-            "FLOPs over E[max] routed slots per GPU"
+            "L_moe x E[max over EP groups of experts touched in a group] x expert params x "
+            "bytes/param / MoE TP (each group's E/EP experts touched independently with "
+            "p = 1-(1-k/E)^(M*C)); FLOPs over E[max] routed slots per group / MoE TP"
         )
     else:
         nbytes, flops, prec = routed_moe_layer(model, tokens, pt.tp, pt.experts_curve)
@@ -680,53 +786,85 @@ def collectives_per_forward(model: ModelShape, deployment: Deployment) -> Collec
     return Collectives(all_reduce=2 * model.num_layers, all_to_all=0)
 
 
-def _link_s(pt: Point, params: dict, nbytes):
-    """One collective on the point's interconnect: latency + bytes / link bandwidth. A
-    measured latency (``bench allreduce`` record) is used as it is; a catalog or assumed one
-    times the ``allreduce_scale.<link>`` parameter."""
+def _latency_s(pt: Point, params: dict):
+    """The latency of one collective of the point's group: the inter-node link's when the
+    group spans nodes (its 2-node figure times log2(nodes): NCCL's small-message all-reduce
+    across nodes runs on trees, whose latency grows with their depth; assumed), else the
+    hardware interconnect's. A measured latency (``bench
+    allreduce`` record) is used as it is; a catalog or assumed one times the
+    ``allreduce_scale.<class>`` parameter."""
+    if pt.nodes > 1:  # the link's latency is for 2 nodes; a tree over n nodes has log2(n) levels
+        depth = math.log2(pt.nodes)
+        return pt.inter_node.allreduce_latency_s * depth * params["allreduce_scale.inter_node"]
     hw = pt.hardware
     prov = hw.provenance.get("allreduce_latency")
     scale = 1.0 if prov is not None and prov.kind == "measured" else (
         params[f"allreduce_scale.{link_class(hw)}"]
     )  # fmt: skip
-    return hw.allreduce_latency_s * scale + nbytes / (hw.link_bytes_per_s or 1e30)
+    return hw.allreduce_latency_s * scale
 
 
-def _link_rule(hw: Hardware) -> str:
+def _link_s(pt: Point, params: dict, intra_bytes, inter_bytes=0.0):
+    """One collective: latency + bytes over the node's interconnect + bytes over the
+    inter-node link (per GPU, per direction)."""
+    inter = inter_bytes / pt.inter_node.bytes_per_s if pt.nodes > 1 else 0.0
+    return _latency_s(pt, params) + intra_bytes / (pt.hardware.link_bytes_per_s or 1e30) + inter
+
+
+def _link_rule(pt: Point) -> str:
+    hw = pt.hardware
     prov = hw.provenance.get("link_bandwidth")
     how = f", {prov.label()}" if prov is not None else ""
-    return f"interconnect ({hw.interconnect or 'unknown'}{how}): latency + bytes / link bandwidth"
+    rule = f"interconnect ({hw.interconnect or 'unknown'}{how})"
+    if pt.nodes > 1:
+        link = pt.inter_node
+        rule += (
+            f" within each of {pt.nodes} nodes of {pt.per_node} GPUs, {link.name} between them "
+            f"({link.provenance['bandwidth'].label()}; latency {link.provenance['allreduce_latency'].label()})"
+        )
+    return rule + ": latency + bytes / link bandwidth"
+
+
+def allreduce_bytes(pt: Point, nbytes: float) -> tuple[float, float]:
+    """(bytes over the node's interconnect, bytes over the inter-node link) per GPU for an
+    all-reduce of ``nbytes``: a ring within a node, 2(g-1)/g x S; across n nodes the
+    hierarchical scheme NCCL uses, each GPU's 1/g share all-reduced between nodes over its own
+    NIC, 2(n-1)/n x S/g. Example: TP 16 as 2 x 8, S = 14 kB: 24.5 kB in the node, 1.75 kB out."""
+    g, n = pt.per_node, pt.nodes
+    return 2.0 * (g - 1) / g * nbytes, 2.0 * (n - 1) / n * nbytes / g
 
 
 def tp_allreduce(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
-    """The all-reduces of the bf16 activations (``collectives_per_forward``), ring cost."""
+    """The all-reduces of the bf16 activations (``collectives_per_forward``)."""
     count = collectives_per_forward(model, pt.deployment).all_reduce
     if pt.tp <= 1 or not count:
         return None
     ar_bytes = fwd.width * pt.concurrency * model.hidden_size * 2.0
-    per = _link_s(pt, params, 2.0 * (pt.tp - 1) / pt.tp * ar_bytes)
+    per = _link_s(pt, params, *allreduce_bytes(pt, ar_bytes))
+    across = "" if pt.nodes == 1 else " + 2(n-1)/n x (M x C x hidden x 2 B)/g / inter-node bw"
     return Component(
-        "TP all-reduce", fwd.stage, count * per, 0.0, 0.0, 0.0, Bound.LINK,
-        _link_rule(pt.hardware),
-        f"{count} (2 x L) x (latency + 2(TP-1)/TP x M x C x hidden x 2 B / link bw)",
+        "TP all-reduce", fwd.stage, count * per, 0.0, 0.0, 0.0, Bound.LINK, _link_rule(pt),
+        f"{count} (2 x L) x (latency + 2(g-1)/g x M x C x hidden x 2 B / link bw{across})",
     )  # fmt: skip
 
 
 def ep_alltoall(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
     """Dispatch and combine all-to-alls of data-parallel attention + expert-parallel MoE: a
     GPU sends each of its tokens' hidden vectors (bf16) to the GPUs of its k experts that are
-    not its own, and gets the results back. The latency of an all-to-all is taken as an
-    all-reduce's (assumed)."""
+    not its own, and gets the results back; the copies bound for another node cross the
+    inter-node link. The latency of an all-to-all is taken as an all-reduce's (assumed)."""
     count = collectives_per_forward(model, pt.deployment).all_to_all
     if pt.tp <= 1 or not count:
         return None
     local_tokens = fwd.width * pt.requests_per_gpu
-    nbytes = local_tokens * model.top_k * (pt.tp - 1) / pt.tp * model.hidden_size * 2.0
+    per_copy = local_tokens * model.top_k * model.hidden_size * 2.0 / pt.tp
+    intra, inter = per_copy * (pt.per_node - 1), per_copy * (pt.tp - pt.per_node)
     return Component(
-        "EP all-to-all", fwd.stage, count * _link_s(pt, params, nbytes), 0.0, 0.0, 0.0,
-        Bound.LINK, _link_rule(pt.hardware),
+        "EP all-to-all", fwd.stage, count * _link_s(pt, params, intra, inter), 0.0, 0.0, 0.0,
+        Bound.LINK, _link_rule(pt),
         f"{count} (2 x L_moe) x (latency [as an all-reduce's, assumed] + M x ceil(C/GPUs) x k x "
-        "(GPUs-1)/GPUs x hidden x 2 B / link bw)",
+        "(g-1)/GPUs x hidden x 2 B / link bw + the (GPUs-g)/GPUs bound for other nodes / "
+        "inter-node bw)",
     )  # fmt: skip
 
 
@@ -739,8 +877,8 @@ def _control(pt: Point, params: dict, stage: Stage, name: str) -> Component | No
     if pt.tp <= 1 or pt.deployment.dp_attention:
         return None
     return Component(
-        name, stage, CONTROL_BROADCASTS_PER_CALL * _link_s(pt, params, 0.0), 0.0, 0.0, 0.0,
-        Bound.LINK, _link_rule(pt.hardware),
+        name, stage, CONTROL_BROADCASTS_PER_CALL * _latency_s(pt, params), 0.0, 0.0, 0.0,
+        Bound.LINK, _link_rule(pt),
         f"{CONTROL_BROADCASTS_PER_CALL} small broadcasts from rank 0 per Target call x latency "
         "(which call, then its tokens or indices)",
     )  # fmt: skip
@@ -796,8 +934,9 @@ def drafter_forward(model: ModelShape, pt: Point, params: dict) -> Component | N
 
 
 def candidates(model: ModelShape, pt: Point) -> int:
-    """K, the candidates per depth taken from the drafter: 1 for chain, min(N, V) for ddtree."""
-    return 1 if pt.policy is Policy.CHAIN else min(pt.budget, model.vocab_size)
+    """K, the candidates per depth taken from the drafter: the policy's (1 for chain, min(N, V)
+    for ddtree)."""
+    return pt.policy.candidates(pt.budget, model.vocab_size)
 
 
 def topk(model: ModelShape, pt: Point, params: dict) -> Component:
@@ -812,8 +951,8 @@ def topk(model: ModelShape, pt: Point, params: dict) -> Component:
 def topk_sort(model: ModelShape, pt: Point, params: dict) -> Component:
     """The top-k's selection and sort of the K kept candidates: grows with the budget (K =
     min(N, V) for ddtree)."""
-    fixed = engine_value(params, pt.engine, "topk_fixed", pt.hardware)
-    per = engine_value(params, pt.engine, "topk_per_candidate", pt.hardware)
+    fixed = engine_value(params, pt.engine, "topk_fixed", pt.hardware, pt.host_cpu)
+    per = engine_value(params, pt.engine, "topk_per_candidate", pt.hardware, pt.host_cpu)
     rows = pt.block_size - 1
     return _host(
         "top-k sort over K", Stage.TOPK, pt,
@@ -823,8 +962,8 @@ def topk_sort(model: ModelShape, pt: Point, params: dict) -> Component:
 
 
 def tree_build(pt: Point, params: dict) -> Component:
-    fixed = engine_value(params, pt.engine, "tree_fixed", pt.hardware)
-    per_node = engine_value(params, pt.engine, "tree_per_node", pt.hardware)
+    fixed = engine_value(params, pt.engine, "tree_fixed", pt.hardware, pt.host_cpu)
+    per_node = engine_value(params, pt.engine, "tree_per_node", pt.hardware, pt.host_cpu)
     return _host(
         "tree build", Stage.BUILD, pt, pt.requests_per_gpu * (fixed + pt.budget * per_node),
         "C x (fixed + N x per node)",
@@ -832,8 +971,8 @@ def tree_build(pt: Point, params: dict) -> Component:
 
 
 def verify_layout(pt: Point, params: dict) -> Component:
-    fixed = engine_value(params, pt.engine, "layout_fixed", pt.hardware)
-    per_node = engine_value(params, pt.engine, "layout_per_node", pt.hardware)
+    fixed = engine_value(params, pt.engine, "layout_fixed", pt.hardware, pt.host_cpu)
+    per_node = engine_value(params, pt.engine, "layout_per_node", pt.hardware, pt.host_cpu)
     return _host(
         "verify layout", Stage.LAYOUT, pt, pt.requests_per_gpu * (fixed + pt.budget * per_node),
         "C x (fixed + N x per node): positions and the ancestor-only mask",
@@ -849,8 +988,8 @@ def accept(model: ModelShape, pt: Point, params: dict) -> Component:
 
 
 def accept_walk(pt: Point, params: dict) -> Component:
-    fixed = engine_value(params, pt.engine, "accept_fixed", pt.hardware)
-    per_node = engine_value(params, pt.engine, "accept_per_node", pt.hardware)
+    fixed = engine_value(params, pt.engine, "accept_fixed", pt.hardware, pt.host_cpu)
+    per_node = engine_value(params, pt.engine, "accept_per_node", pt.hardware, pt.host_cpu)
     return _host(
         "accept walk", Stage.ACCEPT, pt, pt.requests_per_gpu * (fixed + pt.budget * per_node),
         "C x (fixed + N x per node) (the accepted path is walked on the host)",
@@ -860,7 +999,7 @@ def accept_walk(pt: Point, params: dict) -> Component:
 def commit_glue(pt: Point, params: dict) -> Component:
     return _host(
         "KV commit glue", Stage.COMMIT, pt,
-        pt.requests_per_gpu * engine_value(params, pt.engine, "commit_fixed", pt.hardware),
+        pt.requests_per_gpu * engine_value(params, pt.engine, "commit_fixed", pt.hardware, pt.host_cpu),
         "C x fixed (the compaction plan, on the host)",
     )  # fmt: skip
 
@@ -880,7 +1019,7 @@ def kv_commit(model: ModelShape, pt: Point, params: dict, tau) -> Component:
 def framework_overhead(pt: Point, params: dict) -> Component:
     return _host(
         "framework overhead", Stage.OTHER, pt,
-        engine_value(params, pt.engine, "step_overhead", pt.hardware),
+        engine_value(params, pt.engine, "step_overhead", pt.hardware, pt.host_cpu),
         f"{pt.engine} engine step overhead",
     )  # fmt: skip
 
@@ -898,24 +1037,118 @@ def _check(pt: Point) -> None:
         )
 
 
+def block_draft(model: ModelShape, pt: Point, params: dict) -> list[Component | None]:
+    """DFlash-style drafting (``Drafting.BLOCK``): one drafter forward over the block, the
+    top-K of its B-1 distributions, the tree and its verify layout."""
+    return [
+        drafter_forward(model, pt, params),
+        topk(model, pt, params),
+        topk_sort(model, pt, params),
+        tree_build(pt, params),
+        verify_layout(pt, params),
+    ]
+
+
+def _repeated(comps: list[Component], times: int, what: str) -> list[Component]:
+    """``times`` identical passes of the same components (the draft steps)."""
+    return [
+        replace(
+            c,
+            name=f"{what}: {c.name}",
+            seconds=c.seconds * times,
+            hbm_bytes=c.hbm_bytes * times,
+            flops=c.flops * times,
+            launches=c.launches * times,
+            formula=f"{times} x ({c.formula})",
+        )  # fmt: skip
+        for c in comps
+    ]
+
+
+def draft_step_pass(model: ModelShape, pt: Point, params: dict) -> list[Component]:
+    """One draft step of an EAGLE head or an MTP layer over the ``draft_topk`` tokens each
+    request keeps (the first step extends the accepted tokens into the drafter's cache:
+    taken as one step too, assumed).
+
+    MTP (``layer_shape``): the target's own decoder layer, costed like one layer of the
+    target's forward (attention over the context, its experts, the shared LM head, the
+    layer's all-reduces), plus eh_proj. EAGLE: its layers' weights and KV, its own LM head
+    (draft vocabulary) or the target's, and 2 all-reduces per layer under TP."""
+    d = pt.drafter
+    w = pt.draft_topk
+    fwd = Forward(Stage.DRAFT, w, pt.context_tokens)
+    if d.layer_shape is not None:
+        comps = target_forward(d.layer_shape, pt, params, fwd)
+        C, tp = pt.requests_per_gpu, pt.weight_shards
+        comps.append(_device(
+            "MTP eh_proj", Stage.DRAFT, pt, params,
+            d.projection_params * PRECISION_BYTES[d.precision] / tp,
+            2.0 * C * w * d.projection_params / tp, COMPUTE_PRECISION[d.precision], 1,
+            "2h x h projection of [embedding; hidden] x bytes/param / TP",
+        ))  # fmt: skip
+        return comps
+    C, tp = pt.requests_per_gpu, pt.weight_shards
+    vocab = d.lm_head_vocab or model.vocab_size
+    head = vocab * model.hidden_size
+    head_bpp = PRECISION_BYTES[d.precision] if d.lm_head_vocab else model.bytes_per_param("lm_head")
+    nbytes = (d.params * PRECISION_BYTES[d.precision] + head * head_bpp) / tp
+    nbytes = nbytes + C * pt.context_tokens * d.kv_bytes_per_token / tp
+    flops = 2.0 * C * w * (d.params + head) / tp
+    comps = [_device(
+        "drafter step", Stage.DRAFT, pt, params, nbytes, flops, COMPUTE_PRECISION[d.precision],
+        d.layers * KERNELS["drafter_layer"] + KERNELS["lm_head"],
+        "(drafter params + its LM head (draft vocabulary, or the target's)) x bytes/param / TP "
+        "+ C x context x drafter KV bytes/token / TP",
+    )]  # fmt: skip
+    if tp > 1:
+        ar_bytes = w * pt.concurrency * model.hidden_size * 2.0
+        per = _link_s(pt, params, *allreduce_bytes(pt, ar_bytes))
+        comps.append(Component(
+            "drafter all-reduce", Stage.DRAFT, 2 * d.layers * per, 0.0, 0.0, 0.0, Bound.LINK,
+            _link_rule(pt), f"2 x {d.layers} layers x (latency + w x C x hidden x 2 B / link bw)",
+        ))  # fmt: skip
+    return comps
+
+
+def stepped_draft(model: ModelShape, pt: Point, params: dict) -> list[Component | None]:
+    """EAGLE / MTP drafting (``Drafting.STEPS``, ``Drafting.MTP``): k = B - 1 draft steps in
+    sequence, each a pass of the drafter over the tokens it keeps and a top-k over their
+    (draft-vocabulary) logits; then the tree of N nodes and its verify layout."""
+    k = pt.block_size - 1
+    d = pt.drafter
+    vocab = d.lm_head_vocab or model.vocab_size
+    per_step_topk = _stream(
+        "top-k over w x V", Stage.TOPK, pt, params,
+        pt.requests_per_gpu * pt.draft_topk * vocab * 4.0 * 3, KERNELS["topk"],
+        "C x topk x draft vocab x 4 B x 3 (log-softmax read + write, top-k read) / HBM bw",
+    )  # fmt: skip
+    steps = _repeated([*draft_step_pass(model, pt, params), per_step_topk], k, f"{k} draft steps")
+    return [*steps, tree_build(pt, params), verify_layout(pt, params)]
+
+
+DRAFTING_COST: dict[Drafting, Callable[..., list[Component | None]]] = {
+    Drafting.BLOCK: block_draft,
+    Drafting.STEPS: stepped_draft,
+    Drafting.MTP: stepped_draft,
+}
+"""A policy's ``drafting`` -> the components its drafting adds to a step."""
+
+
 def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
     """Cost one step. ``params`` maps every name in ``default_params()`` to a value (or array).
 
     ``tau`` only enters the KV commit (bytes moved per accepted token); it may be None (0).
-    An ``ar`` step is the target forward at M = 1 and the framework overhead.
+    A step without a drafter (``ar``) is the target forward at M = 1 and the framework overhead;
+    with one, the policy's drafting (``DRAFTING_COST``), then acceptance and the KV commit.
     """
     _check(pt)
     verify = Forward(Stage.VERIFY, pt.verify_width, pt.context_tokens)
     comps = target_forward(model, pt, params, verify)
-    if pt.policy is not Policy.AR:
+    if pt.policy.needs_drafter:
         comps += [
             c
             for c in (
-                drafter_forward(model, pt, params),
-                topk(model, pt, params),
-                topk_sort(model, pt, params),
-                tree_build(pt, params),
-                verify_layout(pt, params),
+                *DRAFTING_COST[pt.policy.drafting](model, pt, params),
                 accept(model, pt, params),
                 accept_walk(pt, params),
                 kv_commit(model, pt, params, tau),
@@ -944,6 +1177,25 @@ def params_at(specs: dict[str, ParamSpec], overrides: dict | None = None) -> dic
     return out
 
 
+LIMITS = {
+    "memory": "HBM bandwidth",
+    "compute": "FLOP/s",
+    "link": "interconnect",
+    "host": "host CPU",
+    "launch": "kernel launches",
+}
+"""What a share of the step is bound by: a device component's bytes or FLOPs (its kernel
+launches counted apart), a link component, host work, every kernel's launch."""
+OVERHEADS = ("host", "launch", "link")  # time that faster memory does not shrink
+_SHORT = {
+    "memory": "HBM",
+    "compute": "FLOP/s",
+    "link": "link",
+    "host": "host",
+    "launch": "launches",
+}
+
+
 @dataclass
 class Amdahl:
     limit_step_s: float
@@ -951,25 +1203,35 @@ class Amdahl:
     fraction_of_limit: float
     overhead_fraction: float  # host + launches + link latency over step
     statement: str
-    extra: dict = field(default_factory=dict)
+    shares: dict[str, float]  # LIMITS key -> its share of the step (they add up to 1)
+
+    @property
+    def binds(self) -> str:
+        """The limit that binds, in a few words: the overheads when they are most of the step
+        (with their two largest parts), else the device limit with the largest share."""
+        if self.overhead_fraction > 0.5:
+            top = sorted(OVERHEADS, key=lambda k: -self.shares[k])[:2]
+            parts = ", ".join(f"{_SHORT[k]} {self.shares[k]:.0%}" for k in top)
+            return f"overheads {self.overhead_fraction:.0%} ({parts})"
+        device = max(("memory", "compute"), key=lambda k: self.shares[k])
+        return f"{_SHORT[device]} {self.shares[device]:.0%}"
 
 
 def amdahl(cost: StepCost, params: dict, tau: float) -> Amdahl:
-    """Physical limit (bytes per GPU / peak HBM bw) and how much of the step is overhead."""
+    """Physical limit (bytes per GPU / peak HBM bw), how much of the step is overhead, and
+    the step's shares by what bounds them (``LIMITS``)."""
     step = float(np.median(np.asarray(cost.step_s)))
-    launch_s = engine_value(params, cost.point.engine, "launch", cost.point.hardware)
-    launches = sum(c.launches for c in cost.components)
-    over = float(
-        np.median(
-            np.asarray(
-                sum(c.seconds for c in cost.components if c.bound in (Bound.HOST, Bound.LINK))
-                + launches * launch_s
-            )
-        )
-    )
+    launch_s = engine_value(params, cost.point.engine, "launch", cost.point.hardware,
+                            cost.point.host_cpu)  # fmt: skip
+    seconds = dict.fromkeys(LIMITS, 0.0)
+    for c in cost.components:
+        launch = c.launches * launch_s
+        seconds[str(c.bound)] += c.seconds - launch
+        seconds["launch"] += launch
+    shares = {k: float(np.median(np.asarray(s))) / step for k, s in seconds.items()}
+    frac = sum(shares[k] for k in OVERHEADS)
     C = cost.point.concurrency
     limit_tps = C * tau / cost.limit_step_s
-    frac = over / step
     if frac > 0.5:
         say = (
             f"overheads dominate: {frac:.0%} of the step is host, launch and link time that "
@@ -980,4 +1242,4 @@ def amdahl(cost: StepCost, params: dict, tau: float) -> Amdahl:
             f"bandwidth-bound: {1 - frac:.0%} of the step moves bytes or computes; "
             "faster memory helps in proportion"
         )
-    return Amdahl(cost.limit_step_s, limit_tps, (C * tau / step) / limit_tps, frac, say)
+    return Amdahl(cost.limit_step_s, limit_tps, (C * tau / step) / limit_tps, frac, say, shares)

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.records import STEP_STAGES, EngineRun, Stage
+from ddtree.perf.consistency import mismatch_warning
+from ddtree.records import EngineRun
+from ddtree.vocab import STEP_STAGES, Stage
 
 CONTEXT_KEY = "context_len"  # per-step key of engine_run points: the root's position
 
@@ -184,6 +186,15 @@ def pair_runs(
             f"{where_b} has {have_b}; pick one record each with --policy/--budget"
         )
     return pairs
+
+
+def pair_warning(a: EngineRun, b: EngineRun) -> str | None:
+    """One line when A and B differ in workload or setup beyond what a diagnosis compares
+    (prompts, max new tokens, threads, device, dtype, hardware, target, drafter)."""
+    return mismatch_warning(
+        "A and B", [("A", a), ("B", b)],
+        "the ratio includes what that changes (ignore this if it is the comparison you meant)",
+    )  # fmt: skip
 
 
 def select(runs: Sequence[EngineRun], policy: str | None, budget: int | None) -> list[EngineRun]:

@@ -7,11 +7,12 @@ from importlib import resources
 from pathlib import Path
 
 from ddtree.perf.calibrate import Backtest, Calibration, backtest, calibrate
+from ddtree.perf.consistency import mismatch_warning
 from ddtree.perf.cost import scoped_specs
-from ddtree.perf.fromrecords import anchors_from_records, measured_links
+from ddtree.perf.fromrecords import anchors_from_records, measured_links, one_machine
 from ddtree.perf.scenario import ScenarioFile, StepAnchor, load_scenario
 from ddtree.perf.uncertainty import CaseResult, run_case
-from ddtree.records import read_records
+from ddtree.records import BenchBandwidth, EngineRun, read_records
 
 BUNDLED_SEED = "seed_kimi_b300.toml"
 
@@ -30,26 +31,33 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
 
 
-def load(path: str | Path | None, records: list[str] | None = None) -> ScenarioFile:
+def load(
+    path: str | Path | None,
+    records: list[str] | None = None,
+    allow_oversubscribe: bool = False,
+) -> ScenarioFile:
     recs = []
     paths = list(records or [])
     sf0 = None
     if path is None:
         path = bundled_seed_path()
     if not paths:
-        sf0 = load_scenario(path)
+        sf0 = load_scenario(path, allow_oversubscribe=allow_oversubscribe)
         paths = sf0.records
-    machine = None
+    machine = left_out = None
     records_hw: dict = {}
     rec_anchors: list = []
     if paths:
-        recs = read_records(paths)
+        recs, left_out = one_machine(read_records(paths))
         rec_anchors, machine = anchors_from_records(recs)
         records_hw = measured_links(recs)  # catalog GPUs with measured all-reduce figures
         if machine is not None:
             records_hw["this-machine"] = machine
-    sf = load_scenario(path, records_hw or None)
+    sf = load_scenario(path, records_hw or None, allow_oversubscribe)
     sf.anchors.extend(rec_anchors)
+    sf.measurements = recs
+    if left_out:
+        sf.notes.append(left_out)
     if machine is not None:
         ran_here = sorted({a.point.engine for a in rec_anchors if isinstance(a, StepAnchor)
                            and a.point.hardware.key == machine.key})  # fmt: skip
@@ -74,6 +82,15 @@ def estimate(sf: ScenarioFile, samples: int = 10_000, seed: int = 0) -> Estimate
     ]
     n_rec = sum(1 for a in sf.anchors if a.from_records)
     return Estimate(sf, full, results, n_rec)
+
+
+def records_warning(sf: ScenarioFile) -> str | None:
+    """One line when the engine runs and bandwidth records behind the anchors differ in
+    workload or setup (``ddtree.perf.consistency``)."""
+    used = [(r.kind, r) for r in sf.measurements if isinstance(r, (EngineRun, BenchBandwidth))]
+    return mismatch_warning(
+        "the records calibrated on", used, "one profile is fitted to runs of different setups"
+    )
 
 
 def run_backtest(sf: ScenarioFile, train_budgets: list[int] | None = None) -> Backtest:

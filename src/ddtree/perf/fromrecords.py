@@ -14,6 +14,12 @@
 - ``bench_allreduce`` -> the measured all-reduce latency and link (bus) bandwidth of the
   hardware it ran on: this machine (CPU, gloo), or the catalog GPU it names (NCCL), newest
   record first; engine runs at ``tp`` > 1 on that hardware are costed with them.
+
+``this-machine`` is one machine: the one its newest ``bench_bandwidth`` record ran on
+(``one_machine``). A record costed on ``this-machine`` (bandwidth, and engine runs, MoE and
+all-reduce timings not on a catalog GPU) from another machine is left out with a note, never
+fitted into the same profile; a catalog GPU's records and acceptance records (a replayed tau
+is the same on any hardware) are kept whatever machine wrote them.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from ddtree.perf.catalog import Hardware, match_gpu, this_machine, with_measured
 from ddtree.perf.cost import DEPLOYMENTS, Drafter, Point, default_params, params_at, step_cost
 from ddtree.perf.model import ModelError, ModelShape, shape_from_config
 from ddtree.perf.scenario import MoeAnchor, ScenarioError, StageAnchor, StepAnchor
-from ddtree.records import BenchAllreduce, BenchMoe, EngineMode, EngineRun, Policy, Record, Stage
+from ddtree.records import BenchAllreduce, BenchBandwidth, BenchMoe, EngineRun, HardwareInfo, Record
+from ddtree.vocab import EngineMode, Stage, get_policy
 
 PROFILE_OF_MODE = {EngineMode.EAGER: "eager", EngineMode.COMPILED: "graphs"}
 """The estimator's engine profile for an engine_run's ``engine_mode``: a torch.compile run
@@ -49,6 +56,50 @@ def _catalog_gpu(record: Record) -> Hardware | None:
     if str(record.config.get("device", "cpu")).startswith("cuda") and gpu:
         return match_gpu(gpu)
     return None
+
+
+def _same_machine(a: HardwareInfo, b: HardwareInfo) -> bool:
+    """Same CPU model and core count, and the same host name when both records have one
+    (schema-1 records and older writers may not)."""
+    hosts = a.hostname and b.hostname
+    return (a.cpu_model, a.cpu_cores) == (b.cpu_model, b.cpu_cores) and (
+        not hosts or a.hostname == b.hostname
+    )
+
+
+def _machine(hw: HardwareInfo) -> str:
+    return (
+        f"{'host ' + hw.hostname + ': ' if hw.hostname else ''}{hw.cpu_model}, {hw.cpu_cores} cores"
+    )
+
+
+def one_machine(records: list[Record]) -> tuple[list[Record], str | None]:
+    """The records ``this-machine`` may be fitted to, and a note naming the ones left out.
+
+    ``this-machine`` is the machine of the newest ``bench_bandwidth`` record; the records
+    costed on it (bandwidth; engine_run, bench_moe, bench_allreduce not on a catalog GPU) that
+    ran elsewhere are left out. Without a bandwidth record nothing is costed on it and all
+    are kept."""
+    bandwidth = [r for r in records if isinstance(r, BenchBandwidth)]
+    if not bandwidth:
+        return list(records), None
+    here = max(bandwidth, key=lambda r: r.created_utc).hardware
+    kept, left = [], []
+    for r in records:
+        costed_here = isinstance(r, BenchBandwidth) or (
+            isinstance(r, (EngineRun, BenchMoe, BenchAllreduce)) and _catalog_gpu(r) is None
+        )
+        (left if costed_here and not _same_machine(r.hardware, here) else kept).append(r)
+    if not left:
+        return kept, None
+    kinds = {k: sum(1 for r in left if r.kind == k) for k in dict.fromkeys(r.kind for r in left)}
+    machines = sorted({_machine(r.hardware) for r in left})
+    return kept, (
+        f"records: left out {', '.join(f'{n} {k}' for k, n in kinds.items())} record(s) of "
+        f"another machine ({'; '.join(machines)}): this-machine is {_machine(here)} (its newest "
+        "bench_bandwidth record), and one profile is fitted to one machine; pass the other "
+        "machine's records alone to estimate it"
+    )
 
 
 def measured_links(records: list[Record]) -> dict[str, Hardware]:
@@ -147,7 +198,7 @@ def _engine_anchors(i: int, r: EngineRun, machine: Hardware | None, links: dict)
     where = f"record {i} ({r.kind}, {r.created_utc})"
     lens = r.prompt_lengths or [0]
     ctx = sum(lens) / len(lens) + 0.5 * r.max_new_tokens
-    ar = r.policy is Policy.AR
+    policy = get_policy(r.policy)
     ep = int(r.target.get("ep", 1))
     point = Point(
         hardware=hardware_for(r, machine, links),
@@ -155,11 +206,11 @@ def _engine_anchors(i: int, r: EngineRun, machine: Hardware | None, links: dict)
         deployment=DEPLOYMENTS["tp-ep" if ep > 1 else "tp"],
         concurrency=r.concurrency,
         context_tokens=ctx,
-        block_size=1 if ar else r.block_size,
-        budget=0 if ar else r.budget,
+        block_size=policy.block(r.block_size),
+        budget=policy.budget(r.block_size, r.budget),
         engine=PROFILE_OF_MODE[r.engine_mode],
-        drafter=None if ar else _drafter_of(r),
-        policy=r.policy,
+        drafter=_drafter_of(r) if policy.needs_drafter else None,
+        policy=policy,
     )
     step = StepAnchor(
         f"run{i}:{r.policy}:{r.engine_mode}:B{point.block_size}:N{point.budget}",

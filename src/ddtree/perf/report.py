@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from ddtree.files import replace_atomically
 from ddtree.perf import units as u
 from ddtree.perf.calibrate import Backtest
-from ddtree.perf.cost import link_class, step_cost
-from ddtree.perf.estimate import Estimate
+from ddtree.perf.catalog import load_hosts
+from ddtree.perf.cost import LIMITS, link_class
+from ddtree.perf.estimate import Estimate, records_warning
 from ddtree.perf.fromrecords import PROFILE_OF_MODE
+from ddtree.perf.physics import memory_per_gpu
 from ddtree.perf.scenario import Range, StageAnchor, StepAnchor
 from ddtree.perf.uncertainty import CaseResult, point_value
-from ddtree.records import Policy, Stage
+from ddtree.vocab import Stage
 
 
 def _ms(s: float) -> str:
@@ -38,9 +40,15 @@ def _article_range(r: CaseResult) -> tuple[float, float] | None:
 
 def comparison(r: CaseResult) -> str:
     """Where our p10-p90 sits against the article's figure, and which components differ."""
+    return "; ".join(comparison_parts(r))
+
+
+def comparison_parts(r: CaseResult) -> list[str]:
+    """[where our p10-p90 sits against the article's figure, then the components that
+    differ]; empty without an article."""
     rng = _article_range(r)
     if rng is None:
-        return ""
+        return []
     lo, hi = r.tokens_per_s[10], r.tokens_per_s[90]
     a = r.case.article
     art = f"{rng[0]:.0f}" if rng[0] == rng[1] else f"{rng[0]:.0f}-{rng[1]:.0f}"
@@ -51,7 +59,7 @@ def comparison(r: CaseResult) -> str:
     else:
         where = f"ours ({lo:.0f}-{hi:.0f}) overlaps the article's {art} tok/s"
     parts = [where]
-    moe = r.point.component("routed MoE") if r.case.point.hardware else None
+    moe = r.point.find("routed MoE")
     if a.moe_s is not None and moe is not None:
         moe_kernel = (
             float(moe.seconds) - moe.launches * r.point_params[f"{r.case.point.engine}.launch"]
@@ -63,76 +71,123 @@ def comparison(r: CaseResult) -> str:
     parts.append(f"our overhead (host + launches + all-reduce) {_ms(over)}")
     if a.note:
         parts.append(f"article: {a.note}")
-    return "; ".join(parts)
+    return parts
 
 
-def table(est: Estimate, console) -> None:
+def calibration_warnings(est: Estimate) -> list[str]:
+    """One line each: what the estimate rests on no measurement for, and records behind its
+    anchors that differ in workload or setup."""
+    if not est.scenario.anchors:
+        return [
+            "nothing is calibrated: the scenario has no anchors and no --records, so every "
+            "parameter is its prior [assumed] and every range is the priors' and the cost "
+            "model's own error"
+        ]
+    out = [records_warning(est.scenario)]
+    bare = [r.case.name for r in est.results if not r.calibration.anchors_used]
+    if bare:
+        out.append(f"calibrated on no anchor (its anchors list is empty), every parameter its "
+                   f"prior [assumed]: {', '.join(bare)}")  # fmt: skip
+    return [w for w in out if w]
+
+
+def _moves_most(r: CaseResult) -> str:
+    if not r.tornado:
+        return "-"
+    b = r.tornado[0]
+    lo, hi = sorted((b.tokens_per_s_at_low, b.tokens_per_s_at_high))
+    return f"{b.input} {_tps(lo)}..{_tps(hi)}"
+
+
+def summary_table(est: Estimate):
+    """The answer per case, first: tokens/s and speedup over AR with their ranges, the limit
+    that binds and the input that moves tokens/s most."""
+    from rich.markup import escape
     from rich.table import Table
 
     sf = est.scenario
-    console.print(f"[bold]{sf.title}[/bold]  ({sf.path})")
-    cal = Table(title="calibration (fitted to anchors)", show_lines=False)
-    for col in ("anchor", "what", "measured", "model", "residual"):
-        cal.add_column(col, justify="right" if col != "anchor" else "left")
-    for res in est.calibration.residuals:
-        cal.add_row(res.anchor, res.what, _ms(res.measured), _ms(res.predicted),
-                    f"{res.rel_error:+.1%}")  # fmt: skip
-    console.print(cal)
-    fit = Table(title="parameters")
-    for col in ("parameter", "value", "prior", "status"):
-        fit.add_column(col)
-    c = est.calibration
-    for name in c.names:
-        used = {a.point.engine for a in sf.anchors if hasattr(a, "point")}
-        used |= {r.case.point.engine for r in est.results}
-        if name.split(".")[0] in sf.engines and name.split(".")[0] not in used:
-            continue
-        spec = sf.specs[name]
-        status = {"prior": "prior (anchors say little)"}.get(c.status(name), c.status(name))
-        fit.add_row(name, _param(c.values[name], spec.unit), _param(spec.default, spec.unit),
-                    status)  # fmt: skip
-    console.print(fit)
+    t = Table(title=escape(f"{sf.title}  ({sf.path})"))
+    for col in ("case", "tau", "tok/s p10 / p50 / p90", "speedup vs AR", "binds", "moves it most"):
+        t.add_column(col, justify="left" if col in ("case", "binds", "moves it most") else "right")
     for r in est.results:
-        t = Table(title=f"{r.case.name}", caption=r.amdahl.statement)
-        t.add_column("component")
-        t.add_column("time", justify="right")
-        t.add_column("share", justify="right")
-        t.add_column("bound by")
-        step = float(r.point.step_s)
-        for comp in r.point.components:
-            s = float(comp.seconds)
-            t.add_row(comp.name, _ms(s), f"{s / step:.0%}", comp.bound)
-        t.add_row("[bold]step (point estimate)[/bold]", f"[bold]{_ms(step)}[/bold]", "", "")
-        console.print(t)
-        console.print(
-            f"  tokens/s p10/p50/p90: [bold]{_tps(r.tokens_per_s[10])} / "
-            f"{_tps(r.tokens_per_s[50])} / {_tps(r.tokens_per_s[90])}[/bold]"
-            f"   step p10/p50/p90: {_ms(r.step_s[10])} / {_ms(r.step_s[50])} / {_ms(r.step_s[90])}"
-            f"   (tau {_tau(r.case.tau)}, C={r.case.point.concurrency}, {r.samples} samples)"
+        x = r.tokens_per_s
+        mark = " *" if r.model_form_sigma >= 0.01 else ""
+        t.add_row(
+            escape(r.case.name), _tau(r.case.tau),
+            f"{_tps(x[10])} / {_tps(x[50])} / {_tps(x[90])}{mark}",
+            "-" if r.speedup_vs_ar is None else _speedup(r), r.amdahl.binds,
+            escape(_moves_most(r)),
+        )  # fmt: skip
+    return t
+
+
+def calibration_line(est: Estimate) -> str:
+    c = est.calibration
+    if not c.residuals:
+        return "calibration: no anchors; every parameter at its prior [assumed]"
+    worst = max(c.residuals, key=lambda r: abs(r.rel_error))
+    fitted = sum(c.status(n) != "prior" for n in c.names)
+    return (
+        f"calibration: {len(c.residuals)} anchors ({', '.join(c.anchors_used)}), the model "
+        f"within {abs(worst.rel_error):.1%} of each [measured vs derived]; {fitted} of "
+        f"{len(c.names)} parameters moved by them, the rest at their priors [assumed]"
+    )
+
+
+def summary_lines(est: Estimate) -> list[str]:
+    """What the summary table rests on, after it: the legend, the calibration, the model's own
+    error where it widens a range, the comparison with a published figure."""
+    out = [
+        "tok/s, speedup: p10 / p50 / p90 over the calibrated parameters and tau [derived]; "
+        "binds: what most of the step is spent on; moves it most: the input whose p10..p90 "
+        "swings tok/s most (tok/s at its two ends)",
+        calibration_line(est),
+    ]
+    forms = sorted(
+        {round(r.model_form_sigma, 3) for r in est.results if r.model_form_sigma >= 0.01}
+    )
+    if forms:
+        out.append(
+            f"* the range includes the cost model's own error, +-{' / +-'.join(f'{s:.1%}' for s in forms)}"
+            " (1 sigma): the leave-one-source-out fit where no anchor ran on the setup, else what "
+            "the calibration still misses that setup's anchors by"
         )
-        if r.speedup_vs_ar is not None:
-            console.print(f"  speedup vs AR p10/p50/p90: [bold]{_speedup(r)}[/bold]  {_ar_note(r)}")
+    out += [
+        f"{r.case.name} vs article: {cmp[0]}" for r in est.results if (cmp := comparison_parts(r))
+    ]
+    out.append(
+        "--explain: every parameter, each case's step breakdown and the chain of reasoning; "
+        "--json; --report DIR for plots"
+    )
+    return out
+
+
+def summary(est: Estimate, console, details: bool = True) -> None:
+    """``ddtree estimate``'s default output: the summary table, then (``details``) what it
+    rests on."""
+    if est.results:
+        console.print(summary_table(est))
+    else:
         console.print(
-            f"  physical limit: {_ms(r.amdahl.limit_step_s)} per step "
-            f"({u.format_quantity(r.point.hbm_bytes, u.BYTES)} per GPU at peak HBM) -> "
-            f"{_tps(r.amdahl.limit_tokens_per_s)} tok/s; this projection is "
-            f"{r.amdahl.fraction_of_limit:.0%} of it"
-        )
-        if r.tornado:
-            top = ", ".join(
-                f"{b.input} ({_tps(b.tokens_per_s_at_low)}..{_tps(b.tokens_per_s_at_high)})"
-                for b in r.tornado[:4]
-            )
-            console.print(f"  moves it most: {top}")
-        cmp = comparison(r)
-        if cmp:
-            console.print(f"  vs article: {cmp}")
-        console.print()
+            f"{est.scenario.path}: no [[scenario]] cases to project (a `ddtree tune` scenario "
+            "sweeps the budgets of its --acceptance records instead)",
+            markup=False, highlight=False,
+        )  # fmt: skip
+    for line in summary_lines(est) if details else []:
+        console.print(line, markup=False, highlight=False)
+
+
+def _model_form(r: CaseResult) -> str:
+    return (
+        f"ranges include the cost model's own error, +-{r.model_form_sigma:.1%} (1 sigma; "
+        "leave-one-source-out on the validation set where no anchor ran on this setup, else "
+        "what the calibration still misses this setup's anchors by)"
+    )
 
 
 def _speedup(r: CaseResult) -> str:
     x = r.speedup_vs_ar
-    return f"{x[10]:.2f}x / {x[50]:.2f}x / {x[90]:.2f}x"
+    return f"{x[10]:.2f} / {x[50]:.2f} / {x[90]:.2f}x"
 
 
 def _ar_note(r: CaseResult) -> str:
@@ -165,6 +220,7 @@ def to_dict(est: Estimate) -> dict[str, Any]:
         "scenario": est.scenario.path,
         "title": est.scenario.title,
         "notes": est.scenario.notes,
+        "warnings": calibration_warnings(est),
         "calibration": {
             "values": c.values,
             "fitted": [n for n in c.names if c.constrained(n)],
@@ -197,9 +253,12 @@ def to_dict(est: Estimate) -> dict[str, Any]:
                 "limit_step_s": r.amdahl.limit_step_s,
                 "limit_tokens_per_s": r.amdahl.limit_tokens_per_s,
                 "overhead_fraction": r.amdahl.overhead_fraction,
+                "shares_by_limit": r.amdahl.shares,
+                "binds": r.amdahl.binds,
                 "amdahl": r.amdahl.statement,
                 "tornado": [dataclasses.asdict(b) for b in r.tornado],
                 "vs_article": comparison(r),
+                "model_form_sigma": r.model_form_sigma,
                 "samples": r.samples,
                 "seed": r.seed,
             }
@@ -235,7 +294,18 @@ def explain(est: Estimate) -> str:
     out.append("")
     out.append("anchors [measured]:")
     for a in sf.anchors:
-        if isinstance(a, StepAnchor):
+        if isinstance(a, StepAnchor) and a.e2e:
+            fig = a.metric
+            ttft = "measured TTFT" if fig.ttft_s is not None else (
+                f"the predicted prefill of {fig.prompt_tokens:g} tokens"
+            )  # fmt: skip
+            out.append(
+                f"  {a.name}: {a.point.hardware.key}, tau {a.tau:g}, {a.tokens_per_s:.1f} tok/s "
+                f"end to end over {fig.counted_tokens:g} tokens -> wall = C x tokens / tok/s = "
+                f"{a.wall_s:.3f} s [derived], compared with {ttft} + "
+                f"({fig.output_tokens:g} - 1) / tau x step  ({a.source})"
+            )
+        elif isinstance(a, StepAnchor):
             out.append(
                 f"  {a.name}: {a.point.hardware.key}, B={a.point.block_size} N={a.point.budget} "
                 f"tau {a.tau:g}, {a.tokens_per_s:.1f} tok/s -> step = C x tau / tok/s = "
@@ -262,12 +332,20 @@ def explain(est: Estimate) -> str:
     out.append(
         "calibrated parameters (MAP fit, log-normal priors; 'fitted' = anchors narrowed it):"
     )
-    for n in c.names:
+    unused = unused_scopes(est)
+    shown = [n for n in c.names if _scope(n, est) not in unused]
+    for n in shown:
         spec = sf.specs[n]
         lab = {"prior": "assumed (prior)"}.get(c.status(n), c.status(n))
         out.append(
             f"  {n} = {_param(c.values[n], spec.unit)} [{lab}; prior {_param(spec.default, spec.unit)}"
             f" in {_param(spec.low, spec.unit)}..{_param(spec.high, spec.unit)}] — {spec.about}"
+        )
+    if len(shown) < len(c.names):
+        out.append(
+            f"  ({len(c.names) - len(shown)} parameters of engine profiles, hosts and links no "
+            f"anchor or case runs on ({', '.join(sorted(unused))}) stay at their priors, not "
+            "shown)"
         )
     for n, v in sf.fixed.items():
         out.append(f"  {n} = {_param(v, sf.specs[n].unit)} [user]")
@@ -290,11 +368,35 @@ def explain(est: Estimate) -> str:
             out.append(
                 f"  {key} = {u.format_quantity(val, dim)} [{prov.label() if prov else 'assumed'}]"
             )
+        if pt.nodes > 1:
+            link = pt.inter_node
+            out.append(
+                f"  inter_node = {link.key}: {link.name}, "
+                f"{u.format_quantity(link.bytes_per_s, u.BANDWIDTH)} per GPU "
+                f"[{link.provenance['bandwidth'].label()}], all-reduce latency "
+                f"{u.format_quantity(link.allreduce_latency_s, u.TIME)} "
+                f"[{link.provenance['allreduce_latency'].label()}]; {pt.nodes} nodes of "
+                f"{pt.per_node} GPUs"
+            )
         out.append(
             f"deployment: {pt.tp} GPUs, {pt.deployment.name} [{pt.deployment.about}], "
             f"C={pt.concurrency}, context {pt.context_tokens:.0f} tok, "
             f"block {pt.block_size}, budget {pt.budget} -> M = N + 1 = {pt.verify_width} [derived]; "
             f"engine {pt.engine} [{sf.engines[pt.engine].about or 'assumed'}]"
+        )
+        host = load_hosts()[pt.host_cpu]
+        speed = r.point_params.get(host.param, 1.0) if host.param else 1.0
+        state = "reference" if host.param is None else (
+            c.status(host.param) if host.param in c.names else "user"
+        )  # fmt: skip
+        out.append(
+            f"host CPU: {host.name}; speed {speed:.3g} x the reference host [{state}; prior "
+            f"{host.speed:g} in {host.low:g}..{host.high:g}, {host.provenance.label()}] divides "
+            "the framework overhead, host tree work and kernel launches"
+        )
+        out.append(
+            f"memory per GPU: {memory_per_gpu(m, pt).describe()} of "
+            f"{u.format_quantity(hw.memory_bytes, u.BYTES)} [derived; runtime reserve assumed]"
         )
         out.append(f"tau = {_tau(r.case.tau)} [{r.case.tau_source or 'assumed: scenario input'}]")
         if m.n_routed_experts:
@@ -309,14 +411,15 @@ def explain(est: Estimate) -> str:
                 f"{e:.1f} [derived, uniform routing]"
             )
         launch = r.point_params[f"{pt.engine}.launch"]
+        step = float(r.point.step_s)
         for comp in r.point.components:
+            s = float(comp.seconds)
             out.append(
-                f"  {comp.name}: {_ms(float(comp.seconds))} [derived: {comp.formula}; "
+                f"  {comp.name}: {_ms(s)} ({s / step:.0%}, {comp.bound}) [derived: {comp.formula}; "
                 f"{u.format_quantity(comp.hbm_bytes, u.BYTES)}/GPU, "
                 f"{comp.launches:.0f} launches x {u.format_quantity(launch, u.TIME)}; "
                 f"scales with {comp.rule}]"
             )
-        step = float(r.point.step_s)
         out.append(
             f"step = sum = {_ms(step)}; tokens/s = C x tau / step = {pt.concurrency} x "
             f"{r.point_tau:g} / {_ms(step)} = {pt.concurrency * r.point_tau / step:.0f} [derived]"
@@ -325,6 +428,7 @@ def explain(est: Estimate) -> str:
             f"Monte Carlo ({r.samples} samples, seed {r.seed}; {r.posterior}): tokens/s p10/p50/p90 = "
             f"{r.tokens_per_s[10]:.0f} / {r.tokens_per_s[50]:.0f} / {r.tokens_per_s[90]:.0f}"
         )
+        out.append(f"  {_model_form(r)} [fitted]")
         if r.speedup_vs_ar is not None:
             out.append(
                 f"speedup vs AR = tok/s / tok/s of the ar step (M = 1, tau = 1, no drafter) "
@@ -333,8 +437,20 @@ def explain(est: Estimate) -> str:
         out.append(
             f"physical limit = {u.format_quantity(r.point.hbm_bytes, u.BYTES)} per GPU / "
             f"{u.format_quantity(hw.hbm_bytes_per_s, u.BANDWIDTH)} = {_ms(r.amdahl.limit_step_s)}"
-            f" -> {r.amdahl.limit_tokens_per_s:.0f} tok/s [derived]; {r.amdahl.statement}"
+            f" -> {r.amdahl.limit_tokens_per_s:.0f} tok/s [derived]; this projection is "
+            f"{r.amdahl.fraction_of_limit:.0%} of it; {r.amdahl.statement}"
         )
+        shares = ", ".join(f"{LIMITS[k]} {v:.0%}" for k, v in r.amdahl.shares.items() if v >= 0.005)
+        out.append(f"the step by what bounds it: {shares} [derived]; binds: {r.amdahl.binds}")
+        if r.tornado:
+            out.append(
+                "moves it most (one input at its p10 and p90, the others at the point): "
+                + ", ".join(
+                    f"{b.input} ({_tps(b.tokens_per_s_at_low)}..{_tps(b.tokens_per_s_at_high)} "
+                    "tok/s)"
+                    for b in r.tornado[:4]
+                )
+            )
         cmp = comparison(r)
         if cmp:
             out.append(f"vs article: {cmp}")
@@ -373,6 +489,32 @@ def profile_lines(est: Estimate) -> list[str]:
     return out
 
 
+def _scope(name: str, est: Estimate) -> str | None:
+    """The engine profile, host class or link class a parameter belongs to (None: shared)."""
+    head = name.split("@")[0]
+    if head.split(".")[0] in est.scenario.engines:
+        return head.split(".")[0]
+    return head if head.startswith(("host_speed.", "allreduce_scale.")) else None
+
+
+def unused_scopes(est: Estimate) -> set[str]:
+    """Engine profiles, host classes and link classes no anchor and no case runs on: their
+    parameters keep their priors and say nothing about this scenario."""
+    sf = est.scenario
+    used: set[str] = set()
+    points = [a.point for a in sf.anchors if hasattr(a, "point")]
+    for pt in points + [r.case.point for r in est.results]:
+        used |= {
+            pt.engine,
+            f"host_speed.{pt.host_cpu}",
+            f"allreduce_scale.{link_class(pt.hardware)}",
+        }
+        if pt.nodes > 1:
+            used.add("allreduce_scale.inter_node")
+    scopes = {s for n in est.calibration.names if (s := _scope(n, est))}
+    return scopes - used
+
+
 def backtest_text(bt: Backtest) -> str:
     lines = [f"backtest ({bt.mode}):"]
     for row in bt.rows:
@@ -392,89 +534,40 @@ def backtest_dict(bt: Backtest) -> dict[str, Any]:
     }
 
 
-def write_report(est: Estimate, out_dir: str | Path) -> list[Path]:
-    """Markdown + PNGs: breakdown per scenario, tok/s vs tau per hardware, tok/s vs budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def write_report(
+    est: Estimate,
+    out_dir: str | Path,
+    samples: int = 1000,
+    on_written: Callable[[Path], None] | None = None,
+) -> list[Path]:
+    """report.md and its PNGs (``ddtree.perf.plots``): the breakdown per case, tokens/s
+    against tau per hardware for the last case with a drafter, tokens/s against the budget
+    for the cases that sweep one. ``samples``: Monte Carlo draws behind each plotted point.
+    Each file is written whole as soon as it is made (``on_written(path)`` after each),
+    report.md last, so an interrupt keeps the finished plots and leaves no partial file."""
+    from ddtree.perf import plots
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sf = est.scenario
-    written: list[Path] = []
-
-    # 1. step-time breakdown per scenario (stacked bars)
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    names = [r.case.name for r in est.results]
-    comp_names = []
-    for r in est.results:
-        for comp in r.point.components:
-            if comp.name not in comp_names:
-                comp_names.append(comp.name)
-    bottom = np.zeros(len(names))
-    for cn in comp_names:
-        vals = np.array(
-            [sum(float(c.seconds) for c in r.point.components if c.name == cn) * 1e3
-             for r in est.results]
-        )  # fmt: skip
-        ax.barh(names, vals, left=bottom, label=cn)
-        bottom += vals
-    ax.set_xlabel("step time (ms)")
-    ax.invert_yaxis()
-    ax.legend(fontsize=7, loc="lower right")
-    ax.set_title("step-time breakdown (point estimate)")
-    fig.tight_layout()
-    written.append(out / "breakdown.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    # 2. tokens/s vs tau per hardware, for the last scenario's configuration
-    base = est.results[-1] if est.results else None
-    sweep = sf.sweep_hardware or ([base.case.point.hardware.key] if base else [])
-    taus = np.linspace(1, 20, 39)
-    if base is not None:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for key in sweep:
-            pt = dataclasses.replace(base.case.point, hardware=sf.hardware[key])
-            params = _params_for(base, pt)
-            cost = step_cost(sf.model, pt, params, taus)
-            ax.plot(taus, pt.concurrency * taus / cost.step_s, label=key)
-        ax.set_xlabel("acceptance length tau (tokens per step)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"tokens/s vs tau: {base.case.name}")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        written.append(out / "tokens_vs_tau.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-
-        # 3. tokens/s vs budget at the scenario's tau (tau held fixed: shows the cost side)
-        budgets = [8, 16, 32, 64, 128, 256]
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in (x for x in est.results if x.case.point.policy is Policy.DDTREE):
-            ys = []
-            for n in budgets:
-                pt = dataclasses.replace(r.case.point, budget=n)
-                cost = step_cost(sf.model, pt, r.point_params, r.point_tau)
-                ys.append(pt.concurrency * r.point_tau / float(cost.step_s))
-            ax.plot(budgets, ys, marker="o", label=f"{r.case.name} (tau {r.point_tau:g})")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("budget N (verify width M = N + 1)")
-        ax.set_ylabel("tokens/s at fixed tau")
-        ax.set_title("tokens/s vs budget (tau held fixed)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        written.append(out / "tokens_vs_budget.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-
+    drafted = [r for r in est.results if r.case.point.policy.needs_drafter]
+    makers = {
+        "breakdown": lambda: plots.breakdown_figure(est.results) if est.results else None,
+        "tokens_vs_tau": lambda: plots.tau_figure(sf, drafted[-1], samples) if drafted else None,
+        "tokens_vs_budget": lambda: plots.budget_figure(sf, est.results, samples),
+    }
+    written = []
+    for name, make in makers.items():
+        fig = make()
+        if fig is not None:
+            written.append(plots.save(fig, out / f"{name}.png"))
+            if on_written is not None:
+                on_written(written[-1])
+    figures = [p.stem for p in written]
     md = [f"# {sf.title}", "", f"Scenario file: `{sf.path}`", ""]
     md.append(
         "| scenario | tok/s p10 | p50 | p90 | speedup vs AR p10 / p50 / p90 | step p50 | "
-        "limit tok/s | overhead share | vs article |"
+        "limit tok/s | binds | vs article |"
     )
     md.append("|---|---|---|---|---|---|---|---|---|")
     for r in est.results:
@@ -482,31 +575,28 @@ def write_report(est: Estimate, out_dir: str | Path) -> list[Path]:
         md.append(
             f"| {r.case.name} | {r.tokens_per_s[10]:.0f} | {r.tokens_per_s[50]:.0f} | "
             f"{r.tokens_per_s[90]:.0f} | {speed} | {_ms(r.step_s[50])} | "
-            f"{r.amdahl.limit_tokens_per_s:.0f} | {r.amdahl.overhead_fraction:.0%} | "
-            f"{comparison(r)} |"
+            f"{r.amdahl.limit_tokens_per_s:.0f} | {r.amdahl.binds} | {comparison(r)} |"
         )
-    md += ["", "![breakdown](breakdown.png)", "", "![tokens vs tau](tokens_vs_tau.png)", "",
-           "![tokens vs budget](tokens_vs_budget.png)", "", "## Chain of reasoning", "", "```",
-           explain(est), "```", ""]  # fmt: skip
+    md.append("")
+    md += [f"![{name}]({name}.png)\n" for name in figures]
+    md += ["## Chain of reasoning", "", "```", explain(est), "```", ""]
     written.append(out / "report.md")
-    written[-1].write_text("\n".join(md))
+    with replace_atomically(written[-1]) as partial:
+        partial.write_text("\n".join(md))
+    if on_written is not None:
+        on_written(written[-1])
     return written
-
-
-def _params_for(r: CaseResult, pt) -> dict:
-    params = dict(r.point_params)
-    link = f"allreduce_scale.{link_class(pt.hardware)}"
-    params.setdefault(link, 1.0)
-    return params
 
 
 __all__ = [
     "backtest_dict",
     "backtest_text",
+    "calibration_warnings",
     "comparison",
     "explain",
     "point_value",
-    "table",
+    "summary",
+    "summary_table",
     "to_dict",
     "to_json",
     "write_report",
@@ -524,17 +614,23 @@ def _validation_rows(v) -> list[dict[str, Any]]:
                 "citation": f"{p.source.title} ({p.source.url}; {p.source.where})",
                 "what": p.what,
                 "measured_as": p.measured,
+                "assumed": list(p.assumed),
                 "engine": p.engine_name,
                 "profile": a.point.engine,
                 "hardware": a.point.hardware.key,
                 "model": a.model.name,
                 "policy": str(a.point.policy),
+                "metric": a.metric.kind,
                 "tp": a.point.tp,
                 "concurrency": a.point.concurrency,
                 "tau": a.tau,
                 "measured_tokens_per_s": r.measured_tokens_per_s,
                 "predicted_tokens_per_s": r.predicted_tokens_per_s,
                 "band_tokens_per_s": _pcts(r.band_tokens_per_s),
+                "inside_p10_p90": r.inside(10, 90),
+                "inside_p25_p75": r.inside(25, 75),
+                "noise": a.noise,
+                "model_form_sigma": r.model_form_sigma,
                 "rel_error": r.rel_error,
                 "explanation": p.note if r.needs_note else "",
                 "explained": r.explained,
@@ -544,14 +640,30 @@ def _validation_rows(v) -> list[dict[str, Any]]:
     return out
 
 
+def _scores(rows) -> dict[str, Any]:
+    from ddtree.perf.validate import BANDS, coverage, mape
+
+    return {
+        "points": len(rows),
+        "mape": mape(rows),
+        **{f"coverage_p{lo}_p{hi}": coverage(rows, lo, hi) for lo, hi in BANDS},
+    }
+
+
 def validation_json(v) -> str:
-    from ddtree.perf.validate import EXPLAIN_ABOVE
+    from ddtree.perf.validate import EXPLAIN_ABOVE, SOURCE_KINDS
 
     doc = {
         "folder": v.folder,
         "mode": "leave-one-source-out",
-        "mape": v.mape,
+        **_scores(v.rows),
+        "model_form_sigma": v.model_form_sigma,
+        "noise_by_source_kind": {k.name: k.noise for k in SOURCE_KINDS.values()},
         "sources": v.sources,
+        "by_source": {
+            key: {"kind": rows[0].point.source.kind.name, **_scores(rows)}
+            for key, rows in v.by_source().items()
+        },
         "explain_above": EXPLAIN_ABOVE,
         "unexplained": [r.point.name for r in v.rows if not r.explained],
         "points": _validation_rows(v),
@@ -563,13 +675,16 @@ def validation_table(v, console) -> None:
     from rich.table import Table
 
     from ddtree.perf.validate import EXPLAIN_ABOVE
+    from ddtree.perf.validate import mape as _mape
 
     t = Table(
         title=f"validation: {len(v.rows)} published points, {len(v.sources)} sources, each "
         "predicted from the other sources' points (leave-one-source-out)",
-        caption="tok/s: measured; predicted: at the calibrated parameters; p10-p90: posterior",
+        caption="tok/s: measured; predicted: at the calibrated parameters; p10-p90: what a "
+        "measurement would show (posterior x the source kind's noise and the model-form "
+        "error); in: inside p10-p90",
     )
-    for col in ("point", "mode", "C", "tok/s", "predicted", "p10-p90", "error"):
+    for col in ("point", "mode", "C", "tok/s", "predicted", "p10-p90", "in", "error"):
         t.add_column(col, justify="left" if col in ("point", "mode") else "right")
     for r in v.rows:
         a = r.point.anchor
@@ -578,10 +693,27 @@ def validation_table(v, console) -> None:
         t.add_row(
             r.point.name, a.point.engine, str(a.point.concurrency),
             f"{r.measured_tokens_per_s:.0f}", f"{r.predicted_tokens_per_s:.0f}",
-            f"{b[10]:.0f}-{b[90]:.0f}", f"{r.rel_error:+.1%}{flag}",
+            f"{b[10]:.0f}-{b[90]:.0f}", "yes" if r.inside(10, 90) else "no",
+            f"{r.rel_error:+.1%}{flag}",
         )  # fmt: skip
     console.print(t)
-    console.print(f"MAPE {v.mape:.1%} over {len(v.rows)} points (goal <= 20%)")
+    console.print(
+        f"MAPE {v.mape:.1%} over {len(v.rows)} points (goal <= 20%); measured inside p10-p90: "
+        f"{v.coverage(10, 90):.0%} (goal >= 70%), inside p25-p75: {v.coverage(25, 75):.0%}; "
+        f"model-form error sigma_m {v.model_form_sigma:.1%} (fitted leave-one-source-out; each "
+        "band uses the value fitted without its own source)"
+    )
+    per = Table(title="per source (noise from its kind)")
+    for col in ("source", "kind", "noise", "points", "MAPE", "in p10-p90", "in p25-p75"):
+        per.add_column(col, justify="left" if col in ("source", "kind") else "right")
+    for key, rows in v.by_source().items():
+        kind = rows[0].point.source.kind
+        per.add_row(
+            key, kind.name, f"{kind.noise:.0%}", str(len(rows)), f"{_mape(rows):.1%}",
+            f"{sum(r.inside(10, 90) for r in rows)}/{len(rows)}",
+            f"{sum(r.inside(25, 75) for r in rows)}/{len(rows)}",
+        )  # fmt: skip
+    console.print(per)
     off = [r for r in v.rows if r.needs_note]
     if off:
         console.print(f"off by more than {EXPLAIN_ABOVE:.0%} (* explained, ! unexplained):")

@@ -28,7 +28,7 @@ from ddtree.perf.acceptance import MeasuredTau
 from ddtree.perf.calibrate import Calibration
 from ddtree.perf.scenario import ScenarioCase, ScenarioError, ScenarioFile, StepAnchor
 from ddtree.perf.uncertainty import run_case
-from ddtree.records import Policy
+from ddtree.vocab import Policy
 
 FLAT_WITHIN = 0.05  # a budget is in the flat region when its p50 is within 5% of the best
 
@@ -209,9 +209,9 @@ def held_out(
                 HeldOutRow(a.point.policy, a.point.budget, a.tokens_per_s, tp.tokens_per_s[50],
                            a.tau, tp.tau.mean)
             )  # fmt: skip
-    measured = {a.point.budget: a.tokens_per_s for a in runs if a.point.policy is Policy.DDTREE}
+    measured = {a.point.budget: a.tokens_per_s for a in runs if a.point.policy.uses_budget}
     measured_best = max(measured, key=measured.get) if measured else None
-    curve = next((c for c in mine.values() if c.policy is Policy.DDTREE), None)
+    curve = next((c for c in mine.values() if c.policy.uses_budget), None)
     flat = curve.flat if curve else []
     predicted_best = curve.best.budget if curve else None
     share = None

@@ -4,11 +4,21 @@ Calibrated parameters are sampled from the calibration's Laplace posterior (log-
 the correlations the anchors impose); a scenario's own overrides given as ``[low, high]``
 replace that parameter's marginal (uniform, or triangular with a mode); tau given as a range
 is uniform. One vectorised cost-model call evaluates every sample.
+
+A case also carries the cost model's own error (``case_model_form``): on a setup no anchor
+ran on (another hardware, engine mode, model, TP or deployment) the ``model_form_sigma``
+fitted leave-one-source-out on the validation set (``data/model_form.toml``); on an anchor's
+setup only what the calibration still misses its anchors there by. Its tokens/s and step
+samples are scaled by exp(N(0, sigma)). The speedup over AR is not scaled (the same model
+prices both steps, and a setup's level cancels in the ratio).
 """
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 
 import numpy as np
 
@@ -16,9 +26,35 @@ from ddtree.perf.calibrate import Calibration, PosteriorDraws, posterior_samples
 from ddtree.perf.cost import Amdahl, StepCost, amdahl, step_cost
 from ddtree.perf.model import ModelShape
 from ddtree.perf.scenario import Range, ScenarioCase, Value
-from ddtree.records import Policy
+from ddtree.vocab import AR
 
 PERCENTILES = (10, 50, 90)
+
+
+@cache
+def model_form_sigma() -> float:
+    """The fitted model-form error (relative 1 sigma): ``data/model_form.toml``."""
+    text = resources.files("ddtree.perf").joinpath("data/model_form.toml").read_text()
+    return float(tomllib.loads(text)["sigma"])
+
+
+def _setup(point) -> tuple:
+    return (point.hardware.key, point.engine, point.tp, point.deployment.name)
+
+
+def case_model_form(model: ModelShape, case: ScenarioCase, cal: Calibration) -> float:
+    """The model-form error a case carries: the fitted sigma_m on a setup (hardware, engine
+    mode, TP, deployment, model) no anchor ran on; on an anchor's setup, the calibration's own
+    misfit there (the rms of its anchors' ln(model / measured)), capped at sigma_m: a setup
+    the model reproduces carries next to nothing, one it cannot fit carries what it missed by."""
+    misses = {r.anchor: np.log1p(r.rel_error) for r in cal.residuals}
+    here = [misses[a.name] for a in cal.anchors if hasattr(a, "point")
+            and a.model.name == model.name and _setup(a.point) == _setup(case.point)
+            and a.name in misses]  # fmt: skip
+    sigma = model_form_sigma()
+    if not here:
+        return sigma
+    return float(min(sigma, np.sqrt(np.mean(np.square(here)))))
 
 
 def _draw(v: Value, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -76,6 +112,7 @@ class CaseResult:
     samples: int
     seed: int
     posterior: str = ""  # how the parameter samples were drawn
+    model_form_sigma: float = 0.0  # the model-form error its ranges carry (case_model_form)
 
 
 def _percentiles(x: np.ndarray) -> dict[int, float]:
@@ -87,13 +124,15 @@ def run_case(
 ) -> CaseResult:
     params, tau, draws = sample_inputs(cal, case, n, seed)
     cost = step_cost(model, case.point, params, tau)
-    step = np.broadcast_to(np.asarray(cost.step_s, dtype=float), (n,))
+    sigma = case_model_form(model, case, cal)
+    form = np.exp(np.random.default_rng(seed + 1).normal(0.0, sigma, n))  # [n]
+    step = np.broadcast_to(np.asarray(cost.step_s, dtype=float), (n,)) * form
     tps = case.point.concurrency * tau / step  # [n]
     speedup = ar_tps = None
-    if case.point.policy is not Policy.AR:
+    if case.point.policy != AR:
         ar_step = step_cost(model, case.point.as_ar(), params, 1.0).step_s
         ar = case.point.concurrency / np.broadcast_to(np.asarray(ar_step, dtype=float), (n,))
-        speedup, ar_tps = _percentiles(tps / ar), _percentiles(ar)
+        speedup, ar_tps = _percentiles(tps * form / ar), _percentiles(ar / form)
     pt_params = dict(cal.values)
     pt_params.update({k: point_value(v) for k, v in case.overrides.items()})
     pt_tau = point_value(case.tau)
@@ -113,6 +152,7 @@ def run_case(
         samples=n,
         seed=seed,
         posterior=draws.describe(),
+        model_form_sigma=sigma,
     )
 
 
