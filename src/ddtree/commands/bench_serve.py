@@ -1,0 +1,283 @@
+"""`ddtree bench serve`: load a ddtree server; requests/s, latencies, and the HTTP layer's
+overhead per token against the same requests decoded in this process.
+
+Each repeat runs two passes over the same requests, in turns so that load drift on a shared
+machine hits both alike: ``in-process`` (``generate`` on this process's copy of the models,
+one request after another: encode, decode, text) and ``HTTP`` (streamed requests to the
+server, ``--concurrency`` in flight). Then, with K the completion tokens of a pass,
+
+    overhead per token = (HTTP makespan - in-process makespan) / K      (derived)
+
+reported as a share of the in-process step time (the goal: < 5% on the bundled pair, eager)
+and of the in-process time per token (= HTTP makespan / in-process makespan - 1, stricter
+by a factor tau). Requests ignore EOS, so both passes decode exactly ``--max-new-tokens``
+tokens per request; with greedy decoding they also take the same steps (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ddtree.commands._args import add_json_argument, chosen_threads, positive_int, threads_label
+from ddtree.commands._decode import (
+    add_decode_arguments,
+    add_model_arguments,
+    add_policy_arguments,
+    decode_config,
+    demo_prompts,
+    load_models,
+    set_threads,
+)
+
+PAIR_PERCENTILES = (10, 50, 90)  # the spread of the per-pair overheads that is printed
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p, default_demo=True)
+    add_policy_arguments(p)
+    add_decode_arguments(p, max_new_tokens=128)
+    p.add_argument(
+        "--url",
+        help="a running ddtree serve, http://HOST:PORT, with the same models and options "
+        "(default: start one here with this command's model and decode options)",
+    )
+    p.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY"), help="for --url's server")
+    p.add_argument(
+        "--requests",
+        type=positive_int,
+        default=1,
+        help="requests per pass: short passes in turns keep load drift out of the comparison "
+        "(default: %(default)s)",
+    )
+    p.add_argument("--concurrency", type=positive_int, default=1, help="requests in flight")
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=32,
+        help="in-process + HTTP pass pairs, each over the next --requests prompts "
+        "(default: %(default)s)",
+    )
+    p.add_argument("--prompts", type=Path, help="JSON list of prompts, cycled (default: demo's)")
+    add_json_argument(p)
+
+
+@dataclass
+class DirectPass:
+    results: list  # GenerationResult per request
+    makespan_s: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.results)
+
+    @property
+    def steps(self) -> int:
+        return sum(len(r.steps) for r in self.results)
+
+    @property
+    def step_s_mean(self) -> float:
+        return sum(r.decode_s for r in self.results) / self.steps
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(sum(r.taus) for r in self.results) / sum(r.decode_s for r in self.results)
+
+
+def _direct_pass(models, prompts: list[str], configs: list) -> DirectPass:
+    from ddtree.engine import generate
+
+    results = []
+    t0 = time.perf_counter()
+    for prompt, config in zip(prompts, configs, strict=True):
+        ids = models.codec.encode(prompt)  # as the server does, inside the timed pass
+        results.append(generate(models.target, models.drafter, ids, config, models.codec))
+    return DirectPass(results, time.perf_counter() - t0)
+
+
+def _server_args(args: argparse.Namespace) -> list[str]:
+    """This command's model and decode options, for the ``ddtree serve`` it starts."""
+    out = ["--impl", args.impl, "--dtype", args.dtype, "--device", args.device]
+    out += ["--threads", str(chosen_threads(args.threads)), "--tp", str(args.tp)]
+    out += ["--ep", str(args.ep)]
+    out += ["--policy", args.policy, "--engine-mode", args.engine_mode]
+    out += ["--block", str(args.block), "--budget", str(args.budget)]
+    out += ["--max-queue", str(args.concurrency), "--model-name", "bench"]
+    if args.buckets:
+        out += ["--buckets", ",".join(map(str, args.buckets))]
+    for name in ("target", "drafter"):
+        if getattr(args, name):
+            out += [f"--{name}", str(Path(getattr(args, name)).resolve())]
+    return out
+
+
+def _model_id(base_url: str, api_key: str | None) -> str:
+    """The served model's id (GET /v1/models), or a one-line error naming the URL."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{base_url}/models", headers=headers)
+        if r.status_code == 200:
+            return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"--url: {base_url}/models: not a ddtree server here ({e})") from None
+    raise ValueError(f"--url: GET {base_url}/models answered {r.status_code}: {r.text[:200]}")
+
+
+def _overhead(direct: DirectPass, http) -> dict:
+    """The HTTP layer's overhead per token of one pair of passes over the same requests."""
+    overhead_s = (http.makespan_s - direct.makespan_s) / http.tokens
+    return {
+        "overhead_per_token_s": overhead_s,
+        "share_of_step": overhead_s / direct.step_s_mean,
+        "share_of_token_time": overhead_s / (direct.makespan_s / direct.tokens),
+    }
+
+
+def _ms(p: dict) -> str:
+    return "/".join(f"{p[k] * 1e3:.1f}" for k in ("p50", "p90", "p99"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+    from contextlib import ExitStack, nullcontext
+
+    from ddtree.serve.loadgen import LoadClient, server_process
+    from ddtree.vocab import get_policy
+
+    every = demo_prompts(args.prompts)
+    n = args.requests
+    # repeat r sends requests r*n .. r*n+n-1, cycling over the prompts (seeds follow them)
+    prompts = [every[i % len(every)] for i in range(n * args.repeats)]
+    config = decode_config(args, args.policy, engine_mode=args.engine_mode, eos_token_ids=())
+    configs = [replace(config, seed=args.seed + i) for i in range(len(prompts))]
+    body = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "ignore_eos": True}
+    body |= {"top_p": args.top_p, "top_k": args.top_k}
+    log = sys.stderr
+    if args.url:  # a wrong URL fails now, before the models load
+        _model_id(f"{args.url.rstrip('/')}/v1", args.api_key)
+    threads = set_threads(args)
+    print(
+        f"loading the models for the in-process passes ({threads_label(args)}) ...",
+        file=log,
+        flush=True,
+    )
+    need_drafter = get_policy(args.policy).needs_drafter
+    models = load_models(
+        args, need_drafter=need_drafter, default_demo=True, engine_modes=(args.engine_mode,)
+    )
+    _direct_pass(models, prompts[:1], configs[:1])  # warm-up (compiles in compiled mode)
+    stack = ExitStack()
+    if args.url:
+        starting = nullcontext(None)
+    else:
+        print("starting ddtree serve ...", file=log, flush=True)
+        # its log lives while it runs; a start that fails quotes it in the error
+        logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="ddtree-bench-serve-"))
+        starting = server_process(_server_args(args), Path(logs) / "serve.log")
+    with stack, starting as server:
+        base_url = f"{args.url.rstrip('/')}/v1" if args.url else server.base_url
+        api_key = args.api_key if args.url else None
+        model = _model_id(base_url, api_key)
+        bodies = [
+            {**body, "model": model, "prompt": p, "seed": c.seed}
+            for p, c in zip(prompts, configs, strict=True)
+        ]
+        directs, passes = [], []
+        with LoadClient(base_url, args.concurrency, api_key) as client:
+            client.run(bodies[:1])  # warm-up: the connection, the first request
+            for r in range(args.repeats):
+                turn = slice(r * n, (r + 1) * n)
+                directs.append(_direct_pass(models, prompts[turn], configs[turn]))
+                passes.append(client.run(bodies[turn]))
+                errors = [t.error for t in passes[-1].requests if t.error]
+                if errors:
+                    raise ValueError(f"{len(errors)} of {n} requests failed: {errors[0]}")
+                print(
+                    f"repeat {r + 1}/{args.repeats}: in-process {directs[-1].makespan_s:.2f} s, "
+                    f"HTTP {passes[-1].makespan_s:.2f} s",
+                    file=log,
+                    flush=True,
+                )
+    _report(args, directs, passes, threads)
+    return 0
+
+
+def _report(args: argparse.Namespace, directs: list, passes: list, threads: int) -> None:
+    from ddtree.provenance import this_hardware
+    from ddtree.serve.loadgen import HttpPass, percentiles
+
+    requests = [t for h in passes for t in h.requests]
+    http = HttpPass(requests, sum(h.makespan_s for h in passes), args.concurrency)
+    direct = DirectPass([r for d in directs for r in d.results], sum(d.makespan_s for d in directs))
+    s = http.summary()
+    pooled = _overhead(direct, http)
+    pairs = [_overhead(d, h) for d, h in zip(directs, passes, strict=True)]
+    spread = {k: percentiles([p[k] for p in pairs], PAIR_PERCENTILES) for k in pooled}
+    same_steps = [t.engine.get("steps") for t in http.requests] == [
+        len(r.steps) for r in direct.results
+    ]
+    load = os.getloadavg()[0]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "bench": "serve",
+                    "hardware": this_hardware().label,
+                    "load_average_1min": load,
+                    "device": args.device,
+                    "dtype": args.dtype,
+                    "threads": threads,
+                    "policy": args.policy,
+                    "block_size": args.block,
+                    "budget": args.budget,
+                    "engine_mode": args.engine_mode,
+                    "requests_per_pass": args.requests,
+                    "repeats": args.repeats,
+                    "max_tokens": args.max_new_tokens,
+                    "concurrency": args.concurrency,
+                    "warm_up": "one request per path before the repeats",
+                    "http": s,
+                    "in_process": {
+                        "makespan_s": direct.makespan_s,
+                        "engine_tokens_per_s": direct.tokens_per_s,
+                        "step_s_mean": direct.step_s_mean,
+                    },
+                    "same_steps": same_steps,
+                    "overhead_pooled": pooled,
+                    "overhead_pairs": spread,
+                }
+            )
+        )
+        return
+    print(
+        f"ddtree bench serve: {args.repeats} x {args.requests} requests x {args.max_new_tokens} "
+        f"tokens, concurrency {args.concurrency}, {args.policy} B={args.block} N={args.budget}, "
+        f"{args.engine_mode}, {threads_label(args)}; load average {load:.2f}"
+    )
+    print(
+        f"HTTP: {s['requests_per_s']:.2f} req/s, {s['tokens_per_s']:.0f} tok/s; TTFT "
+        f"p50/p90/p99 {_ms(s['ttft_s'])} ms; inter-chunk (one step) {_ms(s['inter_chunk_s'])} "
+        f"ms; TPOT {_ms(s['tpot_s'])} ms"
+    )
+    print(
+        f"engine tok/s: {s['server_engine_tokens_per_s']:.0f} in the server (step "
+        f"{s['server_step_s_mean'] * 1e3:.2f} ms, tau {s['server_mean_tau']:.2f}), "
+        f"{direct.tokens_per_s:.0f} in-process (step {direct.step_s_mean * 1e3:.2f} ms)"
+        + ("" if same_steps else "; the steps differ: does the server run other models?")
+    )
+    step, token = spread["share_of_step"], spread["share_of_token_time"]
+    print(
+        "HTTP overhead per token, derived: (HTTP makespan - in-process makespan) / tokens, "
+        f"per pair of passes: median {spread['overhead_per_token_s']['p50'] * 1e6:.0f} us = "
+        f"{step['p50']:.1%} of the step time (goal < 5%; pairs p10..p90 "
+        f"{step['p10']:.1%}..{step['p90']:.1%}), {token['p50']:.1%} of the time per token; "
+        "over all pairs "
+        f"{pooled['share_of_step']:.1%} of the step time"
+    )

@@ -1,0 +1,107 @@
+"""`ddtree serve`: an OpenAI-compatible HTTP server on the DDTree engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ddtree.commands._args import (
+    int_in,
+    non_negative_int,
+    positive_int,
+    records_file,
+    set_threads,
+    threads_label,
+)
+from ddtree.commands._decode import (
+    add_decode_arguments,
+    add_model_arguments,
+    add_policy_arguments,
+    decode_config,
+    load_models,
+)
+
+DEMO_MODEL_NAME = "ddtree-demo"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p, default_demo=True)
+    add_policy_arguments(p)
+    add_decode_arguments(p, max_new_tokens=256)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    p.add_argument(
+        "--port",
+        type=int_in(0, 65535, what="a port (0: any free one)"),
+        default=8000,
+        help="TCP port, 0 for any free one (the URL line says which) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--model-name",
+        help=f"the model id clients send (default: {DEMO_MODEL_NAME} for the bundled pair, "
+        "else the target folder's name)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=non_negative_int,
+        default=64,
+        help="requests that may wait behind the one decoding; past it, 503 with Retry-After "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=1 << 20,
+        help="largest request body; larger ones get 413 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("DDTREE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $DDTREE_API_KEY; "
+        "unset: no key)",
+    )
+    p.add_argument(
+        "--records",
+        type=records_file,
+        help="append one engine_run measurement record per finished request to this JSONL file",
+    )
+    p.add_argument("--access-log", action="store_true", help="log every request to stderr")
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    if args.model_name is not None:
+        if not args.model_name.strip():
+            raise ValueError("--model-name: expected a non-empty name")
+        return args.model_name
+    return Path(args.target).resolve().name if args.target else DEMO_MODEL_NAME
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from ddtree.serve.app import ServeSettings
+    from ddtree.serve.server import bind, serve
+    from ddtree.vocab import get_policy
+
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key: expected a non-empty key (or leave it unset)")
+    defaults = decode_config(args, args.policy, engine_mode=args.engine_mode)
+    settings = ServeSettings(
+        model_name=_model_name(args),
+        defaults=defaults,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key,
+        seed=args.seed,
+    )
+    sock = bind(args.host, args.port)  # a port in use fails now, not after loading
+    set_threads(args)
+    print(f"loading the models ({threads_label(args)}) ...", file=sys.stderr, flush=True)
+    need_drafter = get_policy(args.policy).needs_drafter
+    models = load_models(
+        args, need_drafter=need_drafter, default_demo=True, engine_modes=(args.engine_mode,)
+    )
+    serve(models, settings, sock, args.records, args.device, access_log=args.access_log)
+    return 0

@@ -1,0 +1,203 @@
+"""The engine thread: the one place the models run, one request at a time.
+
+The engine is single-stream, so requests wait in a queue and one thread decodes them in
+turn with ``ddtree.engine.generate``. Each request is a ``Job``: the HTTP side (the asyncio
+event loop) submits it and reads its events (``Started``, ``Tokens`` per step, then
+``Finished`` or ``Failed``) from an ``asyncio.Queue`` the engine thread feeds through
+``call_soon_threadsafe``, so a step costs the engine one hand-off; decoding text, JSON and
+sockets happen on the event loop while the next step runs.
+
+Cancel: ``Job.cancel()`` (a client went away) sets a flag that ``on_commit`` checks after
+every step: it raises ``RequestCancelled``, which ends ``generate`` at once (the engine
+resets its caches at the next request). A job cancelled while queued is dropped unstarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ddtree.serve.metrics import EngineTotals
+
+
+class RequestCancelled(Exception):
+    """Raised from ``on_commit`` to stop a decode whose client went away."""
+
+
+@dataclass
+class Started:
+    queue_s: float  # seconds from submission to the engine taking the job
+
+
+@dataclass
+class Tokens:
+    ids: list[int]  # one step's new tokens (the prefill's first token alone)
+
+
+@dataclass
+class Finished:
+    result: object  # GenerationResult
+
+
+@dataclass
+class Failed:
+    error: BaseException  # RequestCancelled when the client left
+
+
+Event = Started | Tokens | Finished | Failed
+
+
+class Job:
+    """One request between the event loop and the engine thread."""
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        config,  # DecodeConfig
+        loop: asyncio.AbstractEventLoop,
+        on_end: Callable[[Job, Event], None] | None = None,
+        record_extra: dict | None = None,
+    ) -> None:
+        self.prompt_ids, self.config, self.loop = prompt_ids, config, loop
+        self.record_extra = dict(record_extra or {})  # what its engine_run record carries
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.submitted_s = time.perf_counter()
+        self.queue_s = 0.0  # set when the engine takes it
+        self.cancel_s: float | None = None  # perf_counter when cancel() was called
+        self._cancel = threading.Event()
+        self._on_end = on_end
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Stop at the next step (any thread; harmless once it has ended)."""
+        if not self._cancel.is_set():
+            self.cancel_s = time.perf_counter()
+            self._cancel.set()
+
+    def on_commit(self, tokens: list[int]) -> None:  # engine thread, after every step
+        if self._cancel.is_set():
+            raise RequestCancelled
+        self.post(Tokens(list(tokens)))
+
+    def post(self, event: Event) -> None:  # engine thread
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            pass
+
+    def _deliver(self, event: Event) -> None:  # event loop
+        self.events.put_nowait(event)
+        if isinstance(event, Finished | Failed) and self._on_end is not None:
+            self._on_end(self, event)
+
+
+class EngineWorker:
+    """Owns the loaded models and the thread that runs them."""
+
+    def __init__(self, models, totals: EngineTotals, on_result=None) -> None:
+        self.models = models  # ddtree.commands._decode.LoadedModels
+        self.totals = totals
+        self.on_result = on_result  # (job, result) -> None, on the engine thread (records)
+        self.running: Job | None = None
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._warm_up_error: BaseException | None = None
+
+    def start(self, warm_up_config, progress=sys.stderr) -> float:
+        """Start the engine thread and wait for its warm-up: one short request with the
+        server's own configuration, so compiled graphs exist (and eager mode's first-call
+        costs are paid) before the port opens. Returns the warm-up's seconds."""
+        t0 = time.perf_counter()
+        self._thread = threading.Thread(
+            target=self._run, args=(warm_up_config, progress), name="ddtree-engine", daemon=True
+        )
+        self._thread.start()
+        self._ready.wait()
+        if self._warm_up_error is not None:
+            raise self._warm_up_error
+        return time.perf_counter() - t0
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """Cancel the running job, drop the queued ones, end the thread (once; later calls
+        return at once)."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+        if self.running is not None:
+            self.running.cancel()
+        self._jobs.put(None)
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self, warm_up_config, progress) -> None:
+        try:
+            self._warm_up(warm_up_config, progress)
+        except BaseException as e:  # handed to start(), which raises it on the main thread
+            self._warm_up_error = e
+            return
+        finally:
+            self._ready.set()
+        while (job := self._jobs.get()) is not None:
+            if job.cancelled:
+                job.post(Failed(RequestCancelled()))
+                continue
+            self.running = job
+            try:
+                self._decode(job)
+            finally:
+                self.running = None
+
+    def _warm_up(self, config, progress) -> None:
+        from ddtree.engine import generate
+
+        models = self.models
+        prompt = models.codec.encode("warm up") or [0]  # any short prompt
+        print(f"warming up the engine ({config.engine_mode}) ...", file=progress, flush=True)
+        result = generate(models.target, models.drafter, prompt, config)
+        if result.compile_s:
+            print(f"compiled in {result.compile_s:.1f} s", file=progress, flush=True)
+
+    def _decode(self, job: Job) -> None:
+        from ddtree.engine import generate
+
+        models = self.models
+        job.queue_s = time.perf_counter() - job.submitted_s
+        job.post(Started(job.queue_s))
+        try:
+            result = generate(
+                models.target,
+                models.drafter,
+                job.prompt_ids,
+                job.config,
+                models.codec,
+                on_commit=job.on_commit,
+            )
+        except RequestCancelled as e:
+            self.totals.add_cancel(time.perf_counter() - job.cancel_s)
+            job.post(Failed(e))
+            return
+        except Exception as e:  # NaN logits, a failed rank: this request fails, the server goes on
+            job.post(Failed(e))
+            return
+        self.totals.add_result(result)
+        if self.on_result is not None:
+            self.on_result(job, result)
+        job.post(Finished(result))
