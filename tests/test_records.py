@@ -1,6 +1,13 @@
+import contextlib
 import dataclasses
 import json
+import os
 import shutil
+import signal
+import stat
+import subprocess
+import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -8,25 +15,25 @@ from typing import ClassVar
 import pytest
 
 from ddtree import records as rec_mod
+from ddtree.provenance import this_process
 from ddtree.records import (
     RECORD_KINDS,
     SCHEMA_VERSION,
-    STEP_STAGES,
     BenchBandwidth,
-    EngineMode,
     EngineRun,
     HardwareInfo,
     Provenance,
     Record,
     RecordError,
     RecordWarning,
-    Stage,
+    check_records_file,
     config_field,
     make_record,
     read_records,
     summary_field,
     write_records,
 )
+from ddtree.vocab import STEP_STAGES, EngineMode, Stage
 
 V1_FILE = Path(__file__).parent / "perf" / "data" / "demo_pair_cpu_runs.jsonl"
 
@@ -46,6 +53,22 @@ def _bw(bytes_per_s=1.5e10, **kw):
     )
 
 
+@contextlib.contextmanager
+def _alarm(seconds: int):
+    """Fail instead of hanging (a FIFO opened for writing blocks until a reader comes)."""
+
+    def fail(*_):
+        raise TimeoutError(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _line(record: Record) -> str:
     return record.to_json() + "\n"
 
@@ -53,7 +76,7 @@ def _line(record: Record) -> str:
 def test_round_trip_keeps_typed_fields_extras_and_provenance(tmp_path):
     prov = Provenance("ddtree bench bandwidth", "ddtree bench bandwidth --threads 1", "0.1", None)
     rec = _bw(provenance=prov, config_extra={"threads_note": "one"}, summary_extra={"p10": 1.0})
-    path = write_records(tmp_path / "r.jsonl", [rec, rec])
+    path = write_records(tmp_path / "r.jsonl", [rec, dataclasses.replace(rec, bytes_per_s=2e10)])
     back = read_records(path)
     assert len(back) == 2 and isinstance(back[0], BenchBandwidth)
     assert back[0] == rec
@@ -65,8 +88,8 @@ def test_round_trip_keeps_typed_fields_extras_and_provenance(tmp_path):
     assert read_records(tmp_path, kind="engine_run") == []
 
 
-def test_provenance_here_names_producer_command_and_version():
-    p = Provenance.here("ddtree bench tree")
+def test_this_process_names_producer_command_and_version():
+    p = this_process("ddtree bench tree")
     assert p.producer == "ddtree bench tree" and p.command and p.version == "0.1.0"
     assert p.git_commit is None or len(p.git_commit) == 40
 
@@ -177,17 +200,20 @@ def test_write_is_atomic_when_a_record_cannot_be_serialised(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.jsonl"]
 
 
-def test_write_is_atomic_when_the_writer_dies_before_the_rename(tmp_path, monkeypatch):
+def test_an_interrupt_half_way_through_an_append_leaves_the_file_as_it_was(tmp_path, monkeypatch):
     path = tmp_path / "runs.jsonl"
     write_records(path, [_bw(1e10)])
     before = path.read_bytes()
+    real_write = rec_mod.os.write
 
-    def killed(src, dst):
+    def interrupted(fd, data):
+        real_write(fd, bytes(data[:25]))  # a part of the first new line reaches the file
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(rec_mod.os, "replace", killed)
+    monkeypatch.setattr(rec_mod.os, "write", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        write_records(path, [_bw(2e10)])
+        write_records(path, [_bw(2e10), _bw(3e10)])
+    monkeypatch.undo()
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.jsonl"]
 
@@ -227,3 +253,183 @@ def test_empty_folder_and_missing_file(tmp_path):
         read_records(tmp_path / "nope.jsonl")
     shutil.copy(V1_FILE, tmp_path / "a.jsonl")
     assert len(read_records(tmp_path)) == 8
+
+
+# ---- where records are written: regular records files only, in place, under a lock ----------
+
+
+SEED_TOML = Path(__file__).resolve().parents[1] / "examples" / "seed_kimi_b300.toml"
+
+
+def _make_folder(p: Path) -> Path:
+    p.mkdir()
+    return p
+
+
+def _make_fifo(p: Path) -> Path:
+    os.mkfifo(p)
+    return p
+
+
+def _make_device_link(p: Path) -> Path:
+    p.symlink_to("/dev/null")  # a link, so that nothing here can touch /dev/null itself
+    return p
+
+
+def _make_dangling_link(p: Path) -> Path:
+    p.symlink_to(p.parent / "nowhere" / "runs.jsonl")
+    return p
+
+
+def _make_hard_link(p: Path) -> Path:
+    write_records(p.parent / "original.jsonl", [_bw(1e10)])
+    os.link(p.parent / "original.jsonl", p)
+    return p
+
+
+def _make_read_only(p: Path) -> Path:
+    write_records(p, [_bw(1e10)])
+    p.chmod(0o444)
+    return p
+
+
+def _make_scenario(p: Path) -> Path:
+    shutil.copy(SEED_TOML, p)
+    return p
+
+
+def _make_trace_like(p: Path) -> Path:
+    p.write_bytes(b"\x80\x00\x00\x00\x00\x00\x00\x00" + b'{"__metadata__":{}}' + b"\x00" * 64)
+    return p
+
+
+REFUSED = [
+    (_make_folder, "is a folder"),
+    (_make_fifo, "is a named pipe (FIFO)"),
+    (_make_device_link, "/dev/null: is a character device"),
+    (_make_dangling_link, "which does not exist"),
+    (_make_hard_link, "has 2 hard links"),
+    (_make_read_only, "is read-only (mode 0444)"),
+    (_make_scenario, "is not a records file"),
+    (_make_trace_like, "is not a records file"),
+]
+
+
+@pytest.mark.parametrize("make, why", REFUSED, ids=[m.__name__[6:] for m, _ in REFUSED])
+def test_only_regular_records_files_are_written(tmp_path, make, why):
+    path = make(tmp_path / "runs.jsonl")
+
+    def snapshot():
+        return {
+            p.name: (p.is_symlink(), p.lstat().st_mode, p.read_bytes() if p.is_file() else None)
+            for p in tmp_path.iterdir()
+            if p.is_symlink() or not p.is_fifo()
+        }
+
+    before = snapshot()
+    with _alarm(10):  # a FIFO opened for writing would block for a reader forever
+        with pytest.raises(OSError) as info:
+            write_records(path, [_bw(2e10)])
+        with pytest.raises(OSError):
+            check_records_file(path)
+    line = f"{info.value.filename}: {info.value.strerror}"
+    assert why in line and "expected" in line and "\n" not in line, line
+    assert snapshot() == before  # nothing replaced, nothing beside it
+
+
+def test_a_symlink_is_followed_and_stays_a_link(tmp_path):
+    real = tmp_path / "store" / "cpu.jsonl"
+    write_records(real, [_bw(1e10)])
+    link = tmp_path / "latest.jsonl"
+    link.symlink_to(real)
+    write_records(link, [_bw(2e10)])
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert [r.bytes_per_s for r in read_records(real)] == [1e10, 2e10]
+
+
+def test_appending_keeps_the_mode_and_a_new_file_follows_the_umask(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    write_records(path, [_bw(1e10)])
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    path.chmod(0o640)
+    write_records(path, [_bw(2e10)])
+    write_records(path, [_bw(3e10)], append=False)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+
+
+APPENDER = """
+import sys, time
+from pathlib import Path
+from ddtree.records import BenchBandwidth, HardwareInfo, write_records
+
+path, tag, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+hw = HardwareInfo(cpu_model="test cpu", cpu_cores=2)
+print("ready", flush=True)
+while not go.exists():
+    time.sleep(0.001)
+for i in range(n):
+    rec = BenchBandwidth(hardware=hw, device="cpu", method=f"{tag}-{i}", bytes_per_s=1e9 + i,
+                         points=[{"pad": tag * 4000}])
+    write_records(path, [rec])
+"""
+
+
+def test_two_processes_appending_at_once_keep_every_record_whole(tmp_path):
+    path, go, n = tmp_path / "shared.jsonl", tmp_path / "go", 150
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", APPENDER, str(path), tag, str(n), str(go)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for tag in ("a", "b")
+    ]
+    for child in children:
+        assert child.stdout.readline().strip() == "ready"
+    go.touch()  # both start appending at the same moment
+    for child in children:
+        assert child.wait(timeout=120) == 0
+    methods = [r.method for r in read_records(path)]
+    assert sorted(methods) == sorted(f"{t}-{i}" for t in "ab" for i in range(n))
+    assert methods.index("a-0") < methods.index("a-1")  # each process's own order kept
+    assert len(path.read_text().splitlines()) == 2 * n
+
+
+# ---- reading: each record counts once ------------------------------------------------------
+
+
+def test_a_record_read_twice_counts_once_with_one_warning_per_file(tmp_path):
+    a = write_records(tmp_path / "runs" / "a.jsonl", [_bw(1e10), _bw(2e10)])
+    copy = tmp_path / "runs" / "copy.jsonl"
+    shutil.copy(a, copy)
+    write_records(copy, [_bw(3e10)])
+    with pytest.warns(RecordWarning) as caught:
+        got = read_records([a, tmp_path / "runs"])  # a named, then again in its folder
+    assert [r.bytes_per_s for r in got] == [1e10, 2e10, 3e10]
+    lines = [str(w.message) for w in caught]
+    assert len(lines) == 2, lines  # a.jsonl again, then copy.jsonl
+    assert f"{a}:1: the same record as {a}:1 (and 1 more such lines in {a})" in lines[0]
+    assert f"{copy}:1: the same record as {a}:1 (and 1 more" in lines[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(read_records(copy)) == 3  # one file alone: nothing to skip
+
+
+def test_a_line_separator_inside_a_string_does_not_end_the_record(tmp_path):
+    rec = _bw(provenance=Provenance("ddtree bench bandwidth", "echo 'a\u2028b\x85c'"))
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(rec.to_dict(), ensure_ascii=False) + "\n", encoding="utf-8")
+    assert read_records(path) == [rec]
+
+
+def test_an_error_quotes_a_huge_value_short(tmp_path):
+    data = json.loads(_bw().to_json())
+    data["config"]["threads"] = "1" * 1_000_000
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(data) + "\n")
+    with pytest.raises(RecordError) as info:
+        read_records(path)
+    assert str(info.value).startswith(f"{path}:1: field 'config.threads'")
+    assert len(str(info.value)) < 300

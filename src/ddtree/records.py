@@ -13,9 +13,11 @@ A records file is JSON lines, one record per line::
   or per-size measurements. Keys a kind does not declare are kept, untouched, in ``config_extra`` /
   ``summary_extra``, so a record read and written again loses nothing.
 - ``provenance``: which producer wrote it (``ddtree bench moe``, ``ddtree.engine``), the
-  command line, the package version and the git commit when known.
-- ``Stage`` names the timed stages of a decode step; the engine's clock, the engine_run
-  summary, the estimator's cost components and its stage anchors all use it.
+  command line, the package version and the git commit when known. Collecting it (and the
+  ``hardware`` section) for this process is ``ddtree.provenance``'s job; this module only
+  defines and checks the schema.
+- The vocabulary (``Stage``, ``EngineMode``) lives in ``ddtree.vocab``; the engine's clock,
+  the engine_run summary and the estimator's cost components and stage anchors share it.
 - Units live in field names (``step_s``, ``tokens_per_s``, ``bytes_per_s``); seconds, bytes,
   tokens. No tera/giga scaling inside records.
 
@@ -32,12 +34,14 @@ Adding a kind: one dataclass and one entry in ``RECORD_KINDS``::
     RECORD_KINDS = {cls.kind: cls for cls in (..., BenchAllreduce)}
 
 Fields are type-checked on construction and on reading (``int``, ``float``, ``str``,
-``bool``, ``dict``, ``list``, a ``StrEnum``, ``X | None``, ``dict[Stage, float]``); every error
-names the file, the line and the field. Reading is forgiving where a file can honestly be
-damaged: a record of a newer schema version is skipped with a warning naming file:line, and
-so is a truncated last line (a writer killed mid-line); the good records are kept. Writing
-is atomic: the new content (old records first when appending) goes to a temporary file in
-the same folder, which then replaces the target.
+``bool``, ``dict``, ``list``, a ``StrEnum``, ``X | None``, ``dict[Stage, float]``; a string
+field may name its ``choices``, e.g. ``policy`` the names in ``ddtree.vocab.POLICIES``); every
+error names the file, the line and the field, in one line. Reading is forgiving where a file
+can honestly be damaged: a record of a newer schema version is skipped with a warning naming
+file:line, and so is a truncated last line (a writer killed mid-line); the good records are
+kept. A record read twice (the same line in two files, or twice in one) counts once, with a
+warning. Writing appends in place under a file lock, one write per call, undone if it fails
+half-way (``write_records``); only regular records files are written (``check_records_file``).
 
 Schema history: 1 had no ``provenance`` and no ``engine_run.config.engine_mode``; version-1
 files are read as eager runs of an unknown producer.
@@ -47,64 +51,33 @@ This module imports nothing heavy (no torch), so ``ddtree.perf`` can read record
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import errno
+import fcntl
 import functools
+import hashlib
 import json
 import math
 import os
-import platform
-import subprocess
-import sys
-import tempfile
+import reprlib
+import stat
 import types
 import typing
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ddtree.files import check_output_file, failed_write, replace_atomically
+from ddtree.signals import deferred
+from ddtree.vocab import POLICIES, EngineMode, Stage
+
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
-
-
-class Stage(StrEnum):
-    """A timed stage. A decode step runs ``STEP_STAGES`` in order; ``prefill`` is the target
-    forward over the prompt, before the first step."""
-
-    PREFILL = "prefill"
-    DRAFT = "draft"  # drafter forward over the block
-    TOPK = "topk"  # top-k over the drafter's (B-1) x V logits
-    BUILD = "build"  # best-first tree build
-    LAYOUT = "layout"  # verify positions and the ancestor-only mask
-    VERIFY = "verify"  # one target forward over the M tree tokens
-    ACCEPT = "accept"  # walk the verified tree
-    COMMIT = "commit"  # keep the accepted path's KV entries
-    OTHER = "other"  # the rest of the step
-
-
-STEP_STAGES: tuple[Stage, ...] = tuple(s for s in Stage if s is not Stage.PREFILL)
-MODEL_STAGES: frozenset[Stage] = frozenset({Stage.DRAFT, Stage.VERIFY})
-"""Stages spent in model forwards; every other step stage is engine overhead."""
-
-
-class Policy(StrEnum):
-    """How a decode step proposes tokens: ``ar`` (no drafter, M = 1), ``chain`` (the drafter's
-    top-1 per position, budget B-1, a linear mask), ``ddtree`` (best-first tree of N nodes)."""
-
-    AR = "ar"
-    CHAIN = "chain"
-    DDTREE = "ddtree"
-
-
-class EngineMode(StrEnum):
-    """How the engine ran its forwards: ``eager`` (Python dispatch per op) or ``compiled``
-    (torch.compile: inductor C++ on CPU, CUDA graphs on CUDA)."""
-
-    EAGER = "eager"
-    COMPILED = "compiled"
 
 
 class RecordError(ValueError):
@@ -124,45 +97,12 @@ class HardwareInfo:
     gpu_count: int = 0
     hostname: str = ""
 
-    @staticmethod
-    def collect() -> HardwareInfo:
-        """Describe this machine (torch and CUDA only if torch is already importable)."""
-        torch_version = gpu_name = None
-        gpu_count = 0
-        try:
-            import torch
-
-            torch_version = torch.__version__
-            if torch.cuda.is_available():
-                gpu_count = torch.cuda.device_count()
-                gpu_name = torch.cuda.get_device_name(0)
-        except ImportError:
-            pass
-        return HardwareInfo(
-            cpu_model=_cpu_model(),
-            cpu_cores=os.cpu_count() or 1,
-            torch_version=torch_version,
-            gpu_name=gpu_name,
-            gpu_count=gpu_count,
-            hostname=platform.node(),
-        )
-
     @property
     def label(self) -> str:
         """A short name for tables: the GPU if any, else the CPU."""
         if self.gpu_name:
             return f"{self.gpu_count}x {self.gpu_name}"
         return f"{self.cpu_model} ({self.cpu_cores} cores)"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 @dataclass(frozen=True)
@@ -174,46 +114,28 @@ class Provenance:
     version: str = ""  # ddtree package version
     git_commit: str | None = None  # of the source tree, when it is a git checkout
 
-    @staticmethod
-    def here(producer: str) -> Provenance:
-        """This process: ``sys.argv``, the installed ddtree version, the checkout's commit."""
-        return Provenance(producer, " ".join(sys.argv), _version(), _git_commit())
-
 
 UNKNOWN_PROVENANCE = Provenance("unknown (schema 1 record)")
-
-
-@functools.cache
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("ddtree")
-    except PackageNotFoundError:
-        return ""
-
-
-@functools.cache
-def _git_commit() -> str | None:
-    here = Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    commit = out.stdout.strip()
-    return commit if out.returncode == 0 and len(commit) == 40 else None
 
 
 # ---- typed fields -------------------------------------------------------------------------
 
 
-def _field(section: str, default: Any, wire: str | None, positive: bool, minimum: float | None):
-    meta = {"section": section, "wire": wire, "positive": positive, "minimum": minimum}
+def _field(
+    section: str,
+    default: Any,
+    wire: str | None,
+    positive: bool,
+    minimum: float | None,
+    choices: Collection[str] | None,
+):
+    meta = {
+        "section": section,
+        "wire": wire,
+        "positive": positive,
+        "minimum": minimum,
+        "choices": choices,
+    }
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -225,9 +147,11 @@ def config_field(
     wire: str | None = None,
     positive: bool = False,
     minimum: float | None = None,
+    choices: Collection[str] | None = None,
 ) -> Any:
-    """A field stored under ``config`` (``wire``: its key there, when it differs)."""
-    return _field("config", default, wire, positive, minimum)
+    """A field stored under ``config`` (``wire``: its key there, when it differs; ``choices``:
+    the strings it may hold, looked up when a record is made, so a registry may grow)."""
+    return _field("config", default, wire, positive, minimum, choices)
 
 
 def summary_field(
@@ -238,7 +162,7 @@ def summary_field(
     minimum: float | None = None,
 ) -> Any:
     """A field stored under ``summary``."""
-    return _field("summary", default, wire, positive, minimum)
+    return _field("summary", default, wire, positive, minimum, None)
 
 
 def _section_fields(cls: type, section: str) -> list[dataclasses.Field]:
@@ -263,6 +187,22 @@ def _type_name(hint: Any) -> str:
     return str(hint)
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlevel = 3
+INT_BITS = 64  # every integer field fits a signed or unsigned 64-bit integer (torch, numpy)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to a few dozen characters and three levels of nesting, for one-line
+    errors (a record may hold a megabyte string or a deeply nested list)."""
+    return _SHORT.repr(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _coerce(value: Any, hint: Any, name: str) -> Any:
     """``value`` checked against the annotation ``hint``; raises RecordError naming ``name``."""
     if hint is Any:
@@ -278,7 +218,7 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
                 return _coerce(value, arg, name)
             except RecordError:
                 pass
-        raise RecordError(f"field '{name}' is {value!r}; expected {_type_name(hint)}")
+        raise RecordError(f"field '{name}' is {_short(value)}; expected {_type_name(hint)}")
     ok = True
     if isinstance(hint, type) and issubclass(hint, StrEnum):
         try:
@@ -288,13 +228,20 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     elif hint is bool:
         ok = isinstance(value, bool)
     elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = _is_int(value)
+        if ok and value.bit_length() > INT_BITS:
+            raise RecordError(
+                f"field '{name}' is {_short(value)}; expected a {INT_BITS}-bit integer"
+            )
     elif hint is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ok and not math.isfinite(value):
-            raise RecordError(f"field '{name}' is {value!r}; expected a finite number")
         if ok:
-            value = float(value)
+            try:
+                value = float(value)  # an integer past 1.8e308 overflows
+            except OverflowError:
+                value = math.inf
+            if not math.isfinite(value):
+                raise RecordError(f"field '{name}' is {_short(value)}; expected a finite number")
     elif hint is str:
         ok = isinstance(value, str)
     elif origin is list or hint is list:
@@ -308,7 +255,7 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
                 for k, v in value.items()
             }
     if not ok:
-        raise RecordError(f"field '{name}' is {value!r}; expected {_type_name(hint)}")
+        raise RecordError(f"field '{name}' is {_short(value)}; expected {_type_name(hint)}")
     return value
 
 
@@ -346,10 +293,15 @@ class Record:
             name = f"{section}.{_wire_name(f)}"
             value = _coerce(getattr(self, f.name), hints[f.name], name)
             if value is not None and f.metadata["positive"] and not value > 0:
-                raise RecordError(f"field '{name}' is {value!r}; expected a positive number")
+                raise RecordError(f"field '{name}' is {_short(value)}; expected a positive number")
             low = f.metadata["minimum"]
             if value is not None and low is not None and value < low:
-                raise RecordError(f"field '{name}' is {value!r}; expected at least {low:g}")
+                raise RecordError(f"field '{name}' is {_short(value)}; expected at least {low:g}")
+            choices = f.metadata["choices"]
+            if choices is not None and value not in choices:
+                raise RecordError(
+                    f"field '{name}' is {_short(value)}; expected one of {', '.join(choices)}"
+                )
             setattr(self, f.name, value)
         if not isinstance(self.points, list):
             raise RecordError("field 'points' must be a list")
@@ -396,7 +348,7 @@ class EngineRun(Record):
 
     kind: ClassVar[str] = "engine_run"
 
-    policy: Policy = config_field()
+    policy: str = config_field(choices=POLICIES)
     block_size: int = config_field(minimum=1)
     budget: int = config_field(minimum=0)
     temperature: float = config_field(minimum=0)
@@ -413,6 +365,7 @@ class EngineRun(Record):
     tree_backend: str | None = config_field(None)  # ddtree.tree.backend(): "native" | "python"
     tp: int = config_field(1, minimum=1)
     concurrency: int = config_field(1, minimum=1)
+    threads: int | None = config_field(None, minimum=1)  # torch CPU threads; None: not recorded
     prompt_set: dict[str, Any] = config_field({}, wire="prompts")  # {"count", "lengths"}
 
     mean_tau: float = summary_field(positive=True)
@@ -483,7 +436,7 @@ class Acceptance(Record):
     kind: ClassVar[str] = "acceptance"
     point_keys: ClassVar[tuple[str, ...]] = ("steps", "tokens")
 
-    policy: str = config_field()  # "chain" | "ddtree"
+    policy: str = config_field(choices=POLICIES)  # "chain" | "ddtree"
     block_size: int = config_field(minimum=2)
     budget: int = config_field(minimum=1)
     trace: str = config_field()  # the trace's fingerprint, "trace:<16 hex>"
@@ -492,6 +445,7 @@ class Acceptance(Record):
     drafter: dict[str, Any] = config_field()
     top_k: int = config_field(minimum=1)  # candidates per depth stored in the trace
     max_new_tokens: int = config_field(minimum=1)
+    prompt_lengths: list[int] = config_field([])  # the trace's prompts, in tokens ([]: older)
 
     mean_tau: float = summary_field(minimum=1)
     tau_low: float = summary_field(minimum=1)
@@ -525,9 +479,51 @@ class BenchAllreduce(Record):
     bus_bytes_per_s: float = summary_field(positive=True)
 
 
+@dataclass(kw_only=True)
+class BenchAttention(Record):
+    """One layer's tree-verify attention, the split (prefix + tail, merged) method against the
+    dense additive mask. points: ``{"context", "budget", "method", "median_s", "p10_s",
+    "p90_s", "peak_bytes", "max_abs_diff"}``."""
+
+    kind: ClassVar[str] = "bench_attention"
+    point_keys: ClassVar[tuple[str, ...]] = ("context", "budget", "method", "median_s")
+
+    device: str = config_field()
+    dtype: str = config_field()
+    heads: int = config_field(minimum=1)
+    kv_heads: int = config_field(minimum=1)
+    head_dim: int = config_field(minimum=1)
+
+
+@dataclass(kw_only=True)
+class BenchLinear(Record):
+    """A preset's linear weights, each linear kernel against verify width M. points:
+    ``{"shape", "out_features", "in_features", "kernel", "m", "median_s", "p10_s", "p90_s",
+    "bytes_per_s", "vs_m1", "max_abs_diff"}``; summary: per kernel, one forward's linear
+    layers at each M (``seconds_by_m``) and over their M = 1 time (``vs_m1``),
+    ``ddtree.bench.linear.forward_seconds``."""
+
+    kind: ClassVar[str] = "bench_linear"
+    point_keys: ClassVar[tuple[str, ...]] = ("shape", "kernel", "m", "median_s")
+
+    preset: str = config_field()
+    device: str = config_field()
+    dtype: str = config_field()
+    kernels: list[str] = config_field()
+
+
 RECORD_KINDS: dict[str, type[Record]] = {
     cls.kind: cls
-    for cls in (EngineRun, BenchBandwidth, BenchMoe, BenchTree, Acceptance, BenchAllreduce)
+    for cls in (
+        EngineRun,
+        BenchBandwidth,
+        BenchMoe,
+        BenchTree,
+        Acceptance,
+        BenchAllreduce,
+        BenchAttention,
+        BenchLinear,
+    )
 }
 """kind -> its dataclass. Adding a kind: one dataclass above and one entry here."""
 
@@ -543,9 +539,11 @@ def make_record(
     schema: int = SCHEMA_VERSION,
 ) -> Record:
     """A typed record from the wire sections (``config``/``summary`` dicts)."""
-    cls = RECORD_KINDS.get(kind)
+    cls = RECORD_KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise RecordError(f"field 'kind' is {kind!r}; expected one of {', '.join(RECORD_KINDS)}")
+        raise RecordError(
+            f"field 'kind' is {_short(kind)}; expected one of {', '.join(RECORD_KINDS)}"
+        )
     kwargs: dict[str, Any] = {}
     for section, data in (("config", config), ("summary", summary)):
         if not isinstance(data, dict):
@@ -578,125 +576,331 @@ def from_dict(data: Any, where: str = "record") -> Record:
     """A record from one parsed JSON line; errors start with ``where`` (file:line)."""
     if not isinstance(data, dict):
         raise RecordError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    problem = _json_problem(data)
+    if problem is not None:
+        raise RecordError(f"{where}: {problem}")
     missing = [k for k in ("kind", "hardware", "config", "summary") if k not in data]
     if missing:
         raise RecordError(f"{where}: missing field(s) {', '.join(missing)}")
     schema = data.get("schema", 1)
-    if schema not in READABLE_SCHEMAS:
+    if not _is_int(schema) or schema not in READABLE_SCHEMAS:
         raise RecordError(
-            f"{where}: field 'schema' is {schema!r}; this ddtree reads "
+            f"{where}: field 'schema' is {_short(schema)}; this ddtree reads "
             f"{', '.join(map(str, READABLE_SCHEMAS))}"
         )
     hw = data["hardware"]
     if not isinstance(hw, dict) or "cpu_model" not in hw or "cpu_cores" not in hw:
         raise RecordError(f"{where}: field 'hardware' needs at least cpu_model and cpu_cores")
-    known = {f.name for f in dataclasses.fields(HardwareInfo)}
     prov = data.get("provenance")
+    created = data.get("created_utc", "")
     try:
         provenance = UNKNOWN_PROVENANCE
         if prov is not None:
             if not isinstance(prov, dict) or not isinstance(prov.get("producer"), str):
                 raise RecordError("field 'provenance' needs a 'producer' string")
-            names = {f.name for f in dataclasses.fields(Provenance)}
-            provenance = Provenance(**{k: v for k, v in prov.items() if k in names})
+            provenance = _typed(Provenance, prov, "provenance")
+        if not isinstance(created, str):
+            raise RecordError(f"field 'created_utc' is {_short(created)}; expected a string")
         return make_record(
             data["kind"],
-            HardwareInfo(**{k: v for k, v in hw.items() if k in known}),
+            _typed(HardwareInfo, hw, "hardware"),
             data["config"],
             data["summary"],
             data.get("points", []),
             provenance,
-            str(data.get("created_utc", "")),
+            created,
             SCHEMA_VERSION,
         )
     except RecordError as exc:
         raise RecordError(f"{where}: {exc}") from None
 
 
-def write_records(path: str | os.PathLike, records: Iterable[Record], append: bool = True) -> Path:
-    """Write records as JSON lines, atomically: the old content (when appending) and the new
-    records go to a temporary file beside ``path``, which then replaces it. A killed writer
-    leaves the old file as it was. A truncated last line in the old file (from a writer
-    without this guarantee) is dropped with a ``RecordWarning``. Creates parent folders."""
-    path = Path(path)
-    lines = [r.to_json() + "\n" for r in records]  # serialise first: a bad record writes nothing
-    path.parent.mkdir(parents=True, exist_ok=True)
-    old = path.read_bytes() if append and path.exists() else b""
-    if old and not old.endswith(b"\n"):
-        keep = old.rfind(b"\n") + 1
-        warnings.warn(
-            f"{path}: dropped a truncated last line ({len(old) - keep} bytes, a writer killed "
-            "mid-write?) before appending; kept the records before it",
-            RecordWarning,
-            stacklevel=2,
+def _typed(cls: type, data: dict[str, Any], section: str) -> Any:
+    """``cls`` (HardwareInfo, Provenance) from ``data``'s keys that are its fields, each
+    checked against its annotation; other keys are dropped."""
+    hints = _hints(cls)
+    return cls(
+        **{
+            f.name: _coerce(data[f.name], hints[f.name], f"{section}.{f.name}")
+            for f in dataclasses.fields(cls)
+            if f.name in data
+        }
+    )
+
+
+RECORDS_FILE = "a records file (JSON lines) or a new file's path"
+
+
+def check_records_file(path: str | os.PathLike) -> Path:
+    """The file ``write_records`` would append to at ``path``, checked without writing, so a
+    command can refuse a bad ``--records`` before its work: a regular file (a symlink is
+    followed to its target; a folder, device, named pipe, socket or dangling link is refused,
+    see ``ddtree.files``), writable, with no other hard link (appending in place would change
+    the other names too), holding records (its first line starts a JSON object: a TOML
+    scenario or a trace is refused), or a new path. An ``OSError`` names the path."""
+    target = check_output_file(path, RECORDS_FILE)
+    if target.exists():
+        links = target.stat().st_nlink
+        if links > 1:
+            raise OSError(
+                errno.EINVAL,
+                f"has {links} hard links (appending would change the other names too); "
+                "expected a records file of its own",
+                str(target),
+            )
+        with open(target, "rb") as fh:
+            _check_records_head(fh.read(_HEAD_BYTES), target)
+    return target
+
+
+_HEAD_BYTES = 4096
+
+
+def _check_records_head(head: bytes, path: Path) -> None:
+    """``head`` (a file's first bytes) starts a JSON object, or the file is empty."""
+    text = codecs.getincrementaldecoder("utf-8")("replace").decode(head).lstrip()
+    if text and not text.startswith("{"):
+        raise OSError(
+            errno.EINVAL,
+            f"is not a records file (its first line does not start a JSON object); expected "
+            f"{RECORDS_FILE}",
+            str(path),
         )
-        old = old[:keep]
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+
+
+def _lock(fd: int, operation: int) -> None:
+    """flock, where the filesystem has it (some network and FUSE ones do not: then one
+    O_APPEND write per call is what keeps two writers' lines apart)."""
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(old)
-            fh.write("".join(lines).encode())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        fcntl.flock(fd, operation)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+
+
+def _complete_length(fd: int, size: int) -> int:
+    """Bytes of the file up to and including its last newline."""
+    end = size
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        chunk = os.pread(fd, end - start, start)
+        cut = chunk.rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        end = start
+    return 0
+
+
+def write_records(path: str | os.PathLike, records: Iterable[Record], append: bool = True) -> Path:
+    """Append records to ``path`` as JSON lines (``append=False``: replace its records).
+
+    Appending is in place, under an exclusive ``flock`` of the file, in one ``O_APPEND``
+    write: two processes appending at once never interleave or lose a line, and the file
+    keeps its mode, owner and links. A write that fails half-way (a full disk) or a signal
+    that cuts it is undone (the file is truncated back to its old length) and an ``OSError``
+    says so; a signal under ``ddtree.signals`` waits until the records are written. A
+    truncated last line left by a writer killed mid-line (``kill -9``) is dropped with a
+    ``RecordWarning`` before appending. Replacing goes through a temporary file renamed over
+    the old one. What ``check_records_file`` refuses is refused here too, before any record
+    is written. Creates parent folders; returns ``path``."""
+    path = Path(path)
+    records = list(records)
+    data = "".join(r.to_json() + "\n" for r in records).encode()  # a bad record writes nothing
+    target = check_records_file(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    what = f"{len(records)} record{'' if len(records) == 1 else 's'}"
+    if not append:
+        with replace_atomically(target, RECORDS_FILE) as partial:
+            partial.write_bytes(data)
+        return path
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(target, flags, 0o666)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # replaced between the check and the open
+            raise OSError(
+                errno.EINVAL, f"is not a regular file; expected {RECORDS_FILE}", str(target)
+            )
+        _lock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size  # now: other writers' records included
+        _check_records_head(os.pread(fd, _HEAD_BYTES, 0), target)
+        keep = _complete_length(fd, size)
+        if keep < size:
+            warnings.warn(
+                f"{target}: dropped a truncated last line ({size - keep} bytes, a writer killed "
+                "mid-write?) before appending; kept the records before it",
+                RecordWarning,
+                stacklevel=2,
+            )
+            os.ftruncate(fd, keep)
+        with deferred():
+            _append(fd, data, keep, target, what)
+    finally:
+        os.close(fd)  # and the lock with it
     return path
 
 
-def iter_records(path: str | os.PathLike) -> Iterator[Record]:
-    """Records of one file. A newer schema version or a truncated last line is skipped with
-    a ``RecordWarning`` naming file:line; any other bad line is a ``RecordError``."""
-    path = Path(path)
-    if not path.exists():
-        raise RecordError(f"{path}: no such records file")
-    if path.is_dir():
-        raise RecordError(f"{path}: is a folder; expected a .jsonl records file")
+def _append(fd: int, data: bytes, old_size: int, path: Path, what: str) -> None:
+    """Write ``data`` at the end of ``fd``; on any failure cut the file back to ``old_size``."""
     try:
-        text = path.read_text()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException as exc:
+        os.ftruncate(fd, old_size)
+        if isinstance(exc, OSError):
+            raise failed_write(
+                exc, path, f"appending {what}", "none were written, the file is as it was"
+            ) from None
+        raise
+
+
+def _read_text(path: Path) -> str:
+    """The text of a records file, read under a shared lock (never half of a line another
+    process is appending)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise RecordError(f"{path}: no such records file") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise RecordError(f"{path}: is a folder; expected a .jsonl records file")
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block, a device never end
+        raise RecordError(f"{path}: is not a regular file; expected a .jsonl records file")
+    with open(path, "rb") as fh:
+        _lock(fh.fileno(), fcntl.LOCK_SH)
+        data = fh.read()
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError:
         raise RecordError(f"{path}: not a text (JSON lines) file") from None
-    lines = text.splitlines()
+
+
+MAX_NESTING = 64  # records nest a few levels (config.target.config_json.rope_scaling)
+
+
+def _not_json(word: str) -> float:
+    raise ValueError(f"{word} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _json_problem(value: Any) -> str | None:
+    """What keeps ``value`` from being written back as the JSON it came from, if anything:
+    nesting past ``MAX_NESTING``, a NaN or infinite number, a key that is not a string, a
+    value of no JSON type. Iterative, so no depth reaches the recursion limit."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= MAX_NESTING:
+                return f"JSON nested too deeply (over {MAX_NESTING} levels)"
+            if isinstance(item, dict):
+                if not all(isinstance(k, str) for k in item):
+                    return "an object key that is not a string"
+                item = item.values()
+            stack.extend((v, depth + 1) for v in item)
+        elif isinstance(item, float) and not math.isfinite(item):
+            return f"{item} is not JSON"
+        elif item is not None and not isinstance(item, (str, int, float)):
+            return f"a {type(item).__name__} is not JSON"
+    return None
+
+
+def _parse_line(line: str, where: str) -> Any:
+    """One JSON line as Python values; NaN, Infinity and numbers past a float are refused (no
+    writer of JSON makes them, and a record holding one could not be written back)."""
+    try:
+        return json.loads(line, parse_constant=_not_json, parse_float=_finite)
+    except RecursionError:
+        raise RecordError(f"{where}: JSON nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, a constant or float above, too many digits
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc).split(";")[0]
+        raise RecordError(f"{where}: not valid JSON ({_SHORT.repr(reason)[1:-1]})") from None
+
+
+def _read_lines(path: Path) -> Iterator[tuple[str, str, Record]]:
+    """(file:line, the line, its record) of every record line of ``path``; skips what
+    ``iter_records`` says it skips."""
+    text = _read_text(path)
+    lines = text.split("\n")  # only newlines end a record (JSON strings may hold U+2028)
+    if lines and lines[-1] == "":
+        lines.pop()
     truncated_tail = bool(text) and not text.endswith("\n")
     for lineno, line in enumerate(lines, 1):
+        line = line.rstrip("\r")
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
+            data = _parse_line(line, where)
+        except RecordError:
             if lineno == len(lines) and truncated_tail:
                 warnings.warn(
                     f"{where}: truncated last line (a writer killed mid-write?); skipped it, "
                     "kept the records before it",
                     RecordWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
                 return
-            raise RecordError(f"{where}: not valid JSON ({exc.msg})") from None
+            raise
         schema = data.get("schema", 1) if isinstance(data, dict) else None
-        if isinstance(schema, int) and schema > SCHEMA_VERSION:
+        if _is_int(schema) and schema > SCHEMA_VERSION:
             warnings.warn(
-                f"{where}: record of schema version {schema}, newer than this ddtree reads "
+                f"{where}: record of schema version {_short(schema)}, newer than this ddtree reads "
                 f"({SCHEMA_VERSION}); skipped it, kept the others",
                 RecordWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             continue
-        yield from_dict(data, where)
+        yield where, line, from_dict(data, where)
+
+
+def iter_records(path: str | os.PathLike) -> Iterator[Record]:
+    """Records of one file. A newer schema version or a truncated last line is skipped with
+    a ``RecordWarning`` naming file:line; any other bad line is a ``RecordError``."""
+    for _where, _line, record in _read_lines(Path(path)):
+        yield record
 
 
 def read_records(
     paths: str | os.PathLike | Iterable[str | os.PathLike], kind: str | None = None
 ) -> list[Record]:
-    """Read records from one file, a folder of ``*.jsonl`` files, or several of either."""
+    """Read records from one file, a folder of ``*.jsonl`` files, or several of either.
+
+    Each record counts once: a line identical to one already read (the same file named twice,
+    a folder and a file in it, a copied file, a record appended twice) is skipped with one
+    ``RecordWarning`` per file, naming where it was first read. Two measurements never make
+    the same line: each holds its own timings and its creation time."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     out: list[Record] = []
+    first: dict[str, str] = {}  # sha256 of a record's line -> the file:line it was read at
     for p in paths:
         p = Path(p)
         files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
         for f in files:
-            out.extend(r for r in iter_records(f) if kind is None or r.kind == kind)
+            copies: list[tuple[str, str]] = []
+            for where, line, record in _read_lines(f):
+                key = hashlib.sha256(line.strip().encode("utf-8", "surrogatepass")).hexdigest()
+                if key in first:
+                    copies.append((where, first[key]))
+                    continue
+                first[key] = where
+                if kind is None or record.kind == kind:
+                    out.append(record)
+            if copies:
+                (where, original), more = copies[0], len(copies) - 1
+                warnings.warn(
+                    f"{where}: the same record as {original}"
+                    + (f" (and {more} more such lines in {f})" if more else "")
+                    + "; skipped, each record counts once",
+                    RecordWarning,
+                    stacklevel=2,
+                )
     return out
