@@ -60,11 +60,16 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys):
 def test_bench_allreduce_over_two_ranks_writes_a_record(tmp_path, capsys):
     records = tmp_path / "ar.jsonl"
     argv = ["bench", "allreduce", "--m", "1,256", "--repeats", "3"]
-    argv += ["--warmup", "1", "--iters", "2", "--records", str(records)]
+    argv += ["--warmup", "1", "--iters", "2", "--records", str(records), "--json"]
     assert main(argv) == 0
     (rec,) = read_records(records)
     assert isinstance(rec, BenchAllreduce)
-    assert (rec.world_size, rec.backend, rec.dtype, rec.hidden_size) == (2, "gloo", "bf16", 7168)
+    assert (rec.world_size, rec.backend, rec.dtype, rec.hidden_size) == (
+        2,
+        "gloo",
+        "bfloat16",
+        7168,
+    )
     assert [p["bytes"] for p in rec.points] == [1 * 7168 * 2, 256 * 7168 * 2]
     assert all(p["seconds"] > 0 for p in rec.points)
     refit = fit_allreduce([AllreducePoint(**p) for p in rec.points], 2)

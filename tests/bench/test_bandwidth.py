@@ -12,7 +12,8 @@ from ddtree.bench.bandwidth import (
     to_records,
 )
 from ddtree.cli import main
-from ddtree.records import HardwareInfo, read_records
+from ddtree.provenance import this_hardware
+from ddtree.records import read_records
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -54,7 +55,7 @@ def test_bad_inputs_are_named():
 
 def test_records_summarise_the_largest_buffer():
     pts = [measure("cpu", "read", s * MIB, repeats=1, warmup=0) for s in (1, 2)]
-    (record,) = to_records(pts, HardwareInfo.collect(), {"threads": 1})
+    (record,) = to_records(pts, this_hardware(), {"threads": 1})
     assert record.config["method"] == "read" and record.config["device"] == "cpu"
     assert record.summary["buffer_bytes"] == 2 * MIB
     assert record.summary["bytes_per_s"] == pts[1].bytes_per_s
@@ -62,7 +63,7 @@ def test_records_summarise_the_largest_buffer():
 
 
 def test_peak_prefers_the_read_method():
-    hw = HardwareInfo.collect()
+    hw = this_hardware()
     pts = [measure("cpu", m, MIB, repeats=1, warmup=0) for m in ("copy", "read")]
     records = to_records(pts, hw, {})
     peak = peak_from_records(records, "cpu", "bw.jsonl")
@@ -76,13 +77,12 @@ def test_peak_prefers_the_read_method():
         peak_from_records(records, "cuda", "bw.jsonl")
 
 
-def test_command_writes_valid_records_and_one_json_line(tmp_path, capsys):
+def test_command_writes_valid_records_and_one_json_document(tmp_path, capsys):
     out = tmp_path / "bw.jsonl"
     argv = ["bench", "bandwidth", "--device", "cpu", "--sizes-mib", "1,2"]
-    argv += ["--repeats", "2", "--methods", "copy,read", "--records", str(out)]
+    argv += ["--repeats", "2", "--methods", "copy,read", "--records", str(out), "--json"]
     assert main(argv) == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    data = json.loads(line)
+    data = json.loads(capsys.readouterr().out)  # stdout: the JSON document alone
     assert data["bench"] == "bandwidth" and len(data["points"]) == 4
     records = read_records(out, kind="bench_bandwidth")
     assert sorted(r.config["method"] for r in records) == ["copy", "read"]

@@ -43,8 +43,8 @@ def test_bench_tree_command_prints_json_and_writes_a_valid_record(tmp_path):
     records = tmp_path / "tree.jsonl"
     cmd = [sys.executable, "-m", "ddtree", "bench", "tree", "--blocks", "4", "--budgets", "8"]
     cmd += ["--vocab", "64", "--batch", "2", "--repeats", "2", "--records", str(records)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    line = json.loads(out.strip().splitlines()[-1])
+    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True).stdout
+    line = json.loads(out)  # stdout: the JSON document alone
     assert line["bench"] == "tree" and line["vocab_size"] == 64
     builders = [b.name for b in available_backends()]  # python, and native where built
     assert [(p["builder"], p["requests"]) for p in line["points"]] == [

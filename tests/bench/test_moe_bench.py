@@ -77,7 +77,7 @@ def test_int4_zero_group_and_bad_shapes():
 # --- layer, bytes --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int4"])
+@pytest.mark.parametrize("precision", ["bfloat16", "int4"])
 def test_bytes_per_expert_formula_matches_the_stored_tensors(precision):
     layer = build_layer(TINY, precision=precision)
     assert layer_expert_bytes(layer) == routed_expert_bytes(TINY, precision)
@@ -88,7 +88,7 @@ def test_bytes_per_expert_formula_matches_the_stored_tensors(precision):
 
 
 def test_int4_layer_holds_no_bf16_experts_and_stays_close_to_bf16():
-    bf16 = build_layer(TINY, precision="bf16")
+    bf16 = build_layer(TINY, precision="bfloat16")
     int4 = build_layer(TINY, precision="int4")
     assert isinstance(int4.experts, Int4Experts)
     assert not list(int4.experts.parameters())
@@ -159,7 +159,7 @@ def test_shape_from_hf_config():
     }
     shape = MoeShape.from_hf({"text_config": cfg}, "k2/config.json")
     assert (shape.hidden_size, shape.n_routed_experts, shape.top_k) == (7168, 384, 8)
-    assert total_weight_bytes(shape, "int4") < total_weight_bytes(shape, "bf16") / 3
+    assert total_weight_bytes(shape, "int4") < total_weight_bytes(shape, "bfloat16") / 3
     with pytest.raises(ValueError, match="k2/config.json: field model_type='llama'"):
         MoeShape.from_hf({**cfg, "model_type": "llama"}, "k2/config.json")
     with pytest.raises(ValueError, match="k2/config.json: missing field n_routed_experts"):
@@ -172,18 +172,27 @@ def test_shape_from_hf_config():
 
 # --- command -------------------------------------------------------------------------------
 
-TINY_ARGS = ["--hidden", "64", "--moe-intermediate", "32", "--experts", "16", "--top-k", "2"]
+TINY_ARGS = [
+    "--hidden",
+    "64",
+    "--moe-intermediate",
+    "32",
+    "--experts",
+    "16",
+    "--experts-per-token",
+    "2",
+]
 TINY_ARGS += ["--ms", "1,8", "--repeats", "2", "--device", "cpu"]
 
 
 def test_command_writes_bench_moe_records(tmp_path, capsys):
     out = tmp_path / "moe.jsonl"
     argv = ["bench", "moe", *TINY_ARGS, "--peak-bytes-per-s", "2e10", "--records", str(out)]
-    assert main(argv) == 0
-    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)  # stdout: the JSON document alone
     assert data["bench"] == "moe" and len(data["results"]) == 2
     records = read_records(out, kind="bench_moe")
-    assert [r.config["precision"] for r in records] == ["bf16", "int4"]
+    assert [r.config["precision"] for r in records] == ["bfloat16", "int4"]
     for r in records:
         assert r.config["n_routed_experts"] == 16 and r.config["top_k"] == 2
         assert {"load_avg_1min", "omp_wait_policy", "threads"} <= set(r.config)

@@ -30,7 +30,6 @@ from ddtree.bench.timing import time_call
 
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_HIDDEN = 7168  # Kimi K2 / DeepSeek-V3 hidden size
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def ring_factor(world_size: int) -> float:
@@ -58,7 +57,7 @@ class AllreduceSettings:
 
     ms: tuple[int, ...] = DEFAULT_MS
     hidden: int = DEFAULT_HIDDEN
-    dtype: str = "bf16"
+    dtype: str = "bfloat16"  # a torch dtype's name
     repeats: int = 20
     warmup: int = 3
     iters: int = 10
@@ -70,7 +69,7 @@ def measure_allreduce(
 ) -> list[AllreducePoint]:
     """Time the all-reduce at every size on every rank of ``group`` (a ddtree Group); every
     rank returns the same points. ``progress(m)`` is called after each size."""
-    dtype = DTYPES[settings.dtype]
+    dtype = getattr(torch, settings.dtype)
     n = group.world_size
     sync = torch.cuda.synchronize if group.device.type == "cuda" else None
     points = []

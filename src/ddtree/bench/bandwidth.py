@@ -45,7 +45,6 @@ METHODS: dict[str, BandwidthMethod] = {
         BandwidthMethod("write", 1, lambda src, dst: lambda: dst.fill_(1.0)),
     )
 }
-DEFAULT_METHODS = ("copy", "read")
 
 
 @dataclass
@@ -171,7 +170,8 @@ def to_records(points: list[BandwidthPoint], hardware, extra_config: dict) -> li
     """The bandwidth benchmark's record builder: one ``bench_bandwidth`` record per (device,
     method). Its summary is the point at the largest buffer (the one furthest above the
     caches); ``points`` keep every size."""
-    from ddtree.records import Provenance, make_record
+    from ddtree.provenance import this_process
+    from ddtree.records import make_record
 
     groups: dict[tuple[str, str], list[BandwidthPoint]] = {}
     for p in points:
@@ -199,7 +199,7 @@ def to_records(points: list[BandwidthPoint], hardware, extra_config: dict) -> li
                 config,
                 summary,
                 [asdict(p) for p in pts],
-                Provenance.here("ddtree bench bandwidth"),
+                this_process("ddtree bench bandwidth"),
             )
         )
     return records

@@ -125,7 +125,7 @@ def count_gqa_layer(m: int = 9, context: int = 53) -> float:
     cfg._attn_implementation = "sdpa"
     model = Qwen3ForCausalLM(cfg).eval()
     cache = DynamicCache(config=cfg)
-    # transformers 5.24 renamed the cache keyword (DESIGN.md facts)
+    # transformers 5.24 renamed the cache keyword (5.15 knows only past_key_values=)
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     model(torch.arange(context)[None], use_cache=True, **{key: cache})
     ids = torch.arange(m)[None] + 7
@@ -175,7 +175,8 @@ def count_kernels(target_dir: Path, drafter_dir: Path, prompt: list[int], budget
     """Counts over one verify at budget ``budget`` after prefilling ``prompt``."""
     from ddtree import tree as tree_core
     from ddtree.models import load_drafter, load_target
-    from ddtree.models.mla_moe import MLP, Attention, MoE
+    from ddtree.models.layers import GatedMLP
+    from ddtree.models.mla_moe import Attention, MoE
 
     torch.manual_seed(0)
     target = load_target(target_dir)
@@ -187,10 +188,10 @@ def count_kernels(target_dir: Path, drafter_dir: Path, prompt: list[int], budget
     logits = drafter.propose(out.hidden, root)  # [B-1, V]
     top = tree_core.topk_logprobs(logits, budget)
     tree = tree_core.build_tree(root, top.logprobs, top.tokens, budget)
-    layout = tree_core.verify_layout(tree, target.seq_len, torch.float32)
+    layout = target.layout(tree)
     layers = list(model.model.layers)
     moe = [lay.mlp for lay in layers if isinstance(lay.mlp, MoE)]
-    dense = [lay.mlp for lay in layers if isinstance(lay.mlp, MLP)]
+    dense = [lay.mlp for lay in layers if isinstance(lay.mlp, GatedMLP)]
     parts = {
         "layer": layers,
         "attention": [m for m in model.modules() if isinstance(m, Attention)],

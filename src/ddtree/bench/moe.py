@@ -12,7 +12,7 @@ bound by streaming those experts' weights. Per M the benchmark reports
 - **effective bytes/s** = bytes moved / median seconds per layer, and its fraction of a peak
   bandwidth (``ddtree bench bandwidth``, or a figure given by the user).
 
-Precisions: ``bf16`` (fused expert weights in bfloat16, the layer of ``ddtree.models.mla_moe``)
+Precisions: ``bfloat16`` (fused expert weights in bfloat16, the layer of ``ddtree.models.mla_moe``)
 and ``int4`` (routed experts weight-only INT4, symmetric, one bfloat16 scale per group of 32
 input columns, as Kimi K2-Thinking ships them; each touched expert is dequantised to bfloat16
 inside the forward). Shared experts and the router keep their precision in both (BF16, FP32).
@@ -34,9 +34,10 @@ import torch
 from torch import nn
 
 from ddtree.bench.timing import time_call
-from ddtree.models.mla_moe import Experts, MlaMoeConfig, MoE, Router
+from ddtree.models.layers import Experts
+from ddtree.models.mla_moe import SUPPORTED_MODEL_TYPES, MlaMoeConfig, MoE, Router
 
-PRECISIONS = ("bf16", "int4")
+PRECISIONS = ("bfloat16", "int4")
 INT4_GROUP_SIZE = 32
 INT4_MIN, INT4_MAX = -8, 7  # signed 4-bit range; stored offset by 8 as an unsigned nibble
 INT4_OFFSET = 8
@@ -202,9 +203,10 @@ class MoeShape:
         when it has one). Only MoE fields are read; a quantization_config is allowed."""
         cfg = cfg.get("text_config") or cfg
         model_type = cfg.get("model_type")
-        if model_type not in ("deepseek_v3", "kimi_k2"):
+        if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"{source}: field model_type={model_type!r}, expected 'deepseek_v3' or 'kimi_k2'"
+                f"{source}: field model_type={model_type!r}, expected one of "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         try:
             return MoeShape(
@@ -242,7 +244,7 @@ KIMI_SCALED = MoeShape(
 def routed_expert_bytes(shape: MoeShape, precision: str, group_size: int = INT4_GROUP_SIZE) -> int:
     """Bytes of one routed expert's weights (gate+up ``[2I, H]``, down ``[H, I]``)."""
     h, i = shape.hidden_size, shape.moe_intermediate_size
-    if precision == "bf16":
+    if precision == "bfloat16":
         return 3 * h * i * ACTIVATION_DTYPE.itemsize
     if precision == "int4":
         # half a byte per weight + one scale per group, along each matrix's input dimension
@@ -270,7 +272,7 @@ def build_layer(
     device: str = "cpu",
     seed: int = 0,
     group_size: int = INT4_GROUP_SIZE,
-    precision: str = "bf16",
+    precision: str = "bfloat16",
 ) -> MoE:
     """A random ``MoE`` layer: BF16 experts and shared experts, an FP32 router whose rows all
     have norm 1 (every expert equally likely), zero correction bias. ``int4`` replaces the
@@ -409,7 +411,8 @@ def to_record(
     points: list[MoeBenchPoint], hardware, config: dict, peak_bytes_per_s: float, peak_source: str
 ):
     """The MoE benchmark's record builder: one ``bench_moe`` record per precision."""
-    from ddtree.records import Provenance, make_record
+    from ddtree.provenance import this_process
+    from ddtree.records import make_record
 
     summary = {
         "peak_bytes_per_s": peak_bytes_per_s,
@@ -422,7 +425,7 @@ def to_record(
         config,
         summary,
         [p.as_dict() for p in points],
-        Provenance.here("ddtree bench moe"),
+        this_process("ddtree bench moe"),
     )
 
 

@@ -21,7 +21,7 @@ from ddtree.tree import (
     topk_logprobs,
     verify_layout,
 )
-from ddtree.tree.backends import BackendUnavailable
+from ddtree.tree.types import BackendUnavailable
 
 
 @dataclass
@@ -70,8 +70,10 @@ def bench_tree(
     prefix_len: int = 128,
     seed: int = 0,
     backends: list[TreeBackend] | None = None,
+    device: str = "cpu",
 ) -> Iterator[TreeBenchPoint]:
-    """Yield one point per (B, N, builder, R). Logits are random normal on the CPU. Every
+    """Yield one point per (B, N, builder, R). Logits are random normal; top-k and the batched
+    builder run on ``device`` (the heap backends on the host, as the engine runs them). Every
     builder times the same inputs in the same run, so their ratios are comparable."""
     backends = available_backends() if backends is None else backends
     g = torch.Generator().manual_seed(seed)
@@ -82,15 +84,18 @@ def bench_tree(
         pass
     for block in block_sizes:
         depth = block - 1
-        logits = torch.randn(depth, vocab_size, generator=g)  # [L, V]
+        logits = torch.randn(depth, vocab_size, generator=g).to(device)  # [L, V]
+        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
         for budget in budgets:
-            topk_t = time_call(partial(topk_logprobs, logits, budget), max(3, repeats // 4))
+            topk = partial(topk_logprobs, logits, budget)
+            topk_t = time_call(topk, max(3, repeats // 4), sync=sync)
             top = topk_logprobs(logits, budget)
+            host = type(top)(top.logprobs.cpu(), top.tokens.cpu())
             yield from _heap_points(
-                block, budget, top, backends, repeats, prefix_len, topk_t.median_s
+                block, budget, host, backends, repeats, prefix_len, topk_t.median_s
             )
             yield from _batched_points(
-                block, budget, top, batch_sizes, repeats, prefix_len, topk_t.median_s
+                block, budget, top, batch_sizes, repeats, prefix_len, topk_t.median_s, sync
             )
 
 
@@ -123,26 +128,27 @@ def _heap_points(
 
 
 def _batched_points(
-    block, budget, top, batch_sizes, repeats, prefix_len, topk_s
+    block, budget, top, batch_sizes, repeats, prefix_len, topk_s, sync=None
 ) -> Iterator[TreeBenchPoint]:
-    """The torch batched builder (the device path): build, the torch layout of its first tree
-    (the layout is per tree), batched greedy acceptance."""
+    """The torch batched builder (the device path), on the device ``top`` lives on: build,
+    the torch layout of its first tree (the layout is per tree), batched greedy acceptance."""
     python = load_backend("python")
+    device = top.logprobs.device
     for r in batch_sizes:
         lp = top.logprobs.expand(r, -1, -1).contiguous()
         ids = top.tokens.expand(r, -1, -1).contiguous()
-        roots = torch.zeros(r, dtype=torch.int64)
+        roots = torch.zeros(r, dtype=torch.int64, device=device)
         few = max(3, repeats // 4)
-        bt = time_call(partial(build_trees, roots, lp, ids, budget), few)
+        bt = time_call(partial(build_trees, roots, lp, ids, budget), few, sync=sync)
         batch = build_trees(roots, lp, ids, budget)
         tree = batch.tree(0)
-        buffer = LayoutBuffer(tree.n_nodes, prefix_len + tree.n_nodes)
+        buffer = LayoutBuffer(tree.n_nodes, prefix_len + tree.n_nodes, device=device)
         layout = partial(verify_layout, tree, prefix_len, backend=python)
-        layout_t = time_call(partial(layout, out=buffer), few)
-        alloc_t = time_call(layout, few)
+        layout_t = time_call(partial(layout, out=buffer), few, sync=sync)
+        alloc_t = time_call(layout, few, sync=sync)
         target = first_child_targets(tree).expand(r, -1).contiguous()
         args = (batch.tokens, batch.parents, batch.visibility, target)
-        accept_t = time_call(partial(accept_greedy_batch, *args), few)
+        accept_t = time_call(partial(accept_greedy_batch, *args), few, sync=sync)
         yield TreeBenchPoint(
             block,
             budget,
@@ -159,7 +165,8 @@ def _batched_points(
 
 def to_record(points: list[TreeBenchPoint], hardware, config: dict):
     """The tree benchmark's record builder: one ``bench_tree`` record for the whole sweep."""
-    from ddtree.records import Provenance, make_record
+    from ddtree.provenance import this_process
+    from ddtree.records import make_record
 
     return make_record(
         "bench_tree",
@@ -167,5 +174,5 @@ def to_record(points: list[TreeBenchPoint], hardware, config: dict):
         config,
         {},
         [p.as_dict() for p in points],
-        Provenance.here("ddtree bench tree"),
+        this_process("ddtree bench tree"),
     )

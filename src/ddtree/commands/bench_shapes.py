@@ -1,18 +1,10 @@
-"""`ddtree bench shapes`: what target would make DDTree pay on this machine: the step costs of target shapes with the
-bundled drafter, and the speedup over AR each would give at a given acceptance length.
+"""`ddtree bench shapes`: step costs at the shapes users run, and the regime they put DDTree
+in. A random-weight target of a published shape (``--preset``), its DFlash drafter's shape under
+the synthetic oracle (which sets the acceptance: every table row and record says so), AR, chain
+and DDTree at each budget, eager and compiled, in one sweep; each step's bytes, the measured
+read bandwidth and the fraction of the memory roofline it reaches (``ddtree.bench.shapes``).
 
-The targets have the bundled target's widths (hidden 256, vocabulary 2048: its tokenizer and
-its DFlash drafter, which reads target layers 1 and 3, fit every one of them) at other depths,
-MoE or dense, with random weights: speed does not depend on the weights, acceptance does, so
-tau is an input (the bundled pair's measured tau). For each shape and engine mode the engine
-decodes the demo prompts with AR and with DDTree (block 8, budget N; the tree is always full,
-whatever gets accepted) in one sweep, and from the measured step times:
-
-    speedup vs AR at tau   = tau * step_ar / step_ddtree                     (derived)
-    tau for 2x             = 2 * step_ddtree / step_ar                       (derived)
-
-Run: ``ddtree bench shapes --shapes 4:moe,16:moe,16:dense --tau 3.01``. The bundled shape is
-``4:moe`` (1 dense layer, then MoE); ``L:dense`` has no MoE layer.
+Run: ``ddtree bench shapes --preset qwen3-1.7b --budgets 8,32,128 --records runs/shapes.jsonl``.
 """
 
 from __future__ import annotations
@@ -20,168 +12,420 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from ddtree.commands._args import output_file, positive_int, threads
-from ddtree.commands._decode import DEMO_DIR, TextCodec, demo_prompts, set_threads
-from ddtree.commands.bench_engine import add_engine_modes_argument
+from ddtree.commands._args import (
+    add_dtype_argument,
+    add_json_argument,
+    add_threads_argument,
+    int_list,
+    positive_int,
+    records_file,
+    set_threads,
+    threads_label,
+)
 
-if TYPE_CHECKING:
-    from ddtree.models.mla_moe import MlaMoeTarget
-
-INIT_STD = 0.02  # random weights: N(0, 0.02), norms 1 (speed only)
-
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    dense: bool  # True: no MoE layer; False: the bundled layout (first layer dense)
-
-    @staticmethod
-    def parse(text: str) -> Shape:
-        """ "16:moe" or "16:dense"."""
-        layers, _, kind = text.partition(":")
-        if not layers.isdigit() or int(layers) < 4 or kind not in ("moe", "dense"):
-            raise argparse.ArgumentTypeError(
-                f"shape {text!r}: expected LAYERS:moe or LAYERS:dense with LAYERS >= 4 (the "
-                f"drafter reads target layers 1 and 3)"
-            )
-        return Shape(int(layers), kind == "dense")
-
-    @property
-    def name(self) -> str:
-        return f"{self.layers}:{'dense' if self.dense else 'moe'}"
-
-    def target(self, seed: int = 0) -> MlaMoeTarget:
-        import torch
-
-        from ddtree.models.mla_moe import MlaMoeConfig, MlaMoeModel, MlaMoeTarget
-
-        base = json.loads((DEMO_DIR / "target" / "config.json").read_text())
-        cfg = {**base, "num_hidden_layers": self.layers}
-        if self.dense:
-            cfg["first_k_dense_replace"] = self.layers
-        torch.manual_seed(seed)
-        model = MlaMoeModel(MlaMoeConfig.from_hf(cfg, source=f"shape {self.name}"))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.fill_(1.0) if "norm" in name else p.normal_(0, INIT_STD)
-        return MlaMoeTarget(model, name=f"random-{self.name}", capacity=512)
-
-
-@dataclass
-class ShapeCost:
-    """Mean step costs of one shape in one engine mode, from one sweep (milliseconds)."""
-
-    shape: str
-    params: int
-    mode: str
-    step_ar_ms: float
-    step_ddtree_ms: float
-    verify_ar_ms: float  # T1
-    verify_ddtree_ms: float  # T(M)
-    draft_ms: float
-    compile_s: float
-
-    def speedup(self, tau: float) -> float:
-        return tau * self.step_ar_ms / self.step_ddtree_ms
-
-    @property
-    def tau_for_2x(self) -> float:
-        return 2 * self.step_ddtree_ms / self.step_ar_ms
-
-
-def measure(shape: Shape, modes: list[str], budget: int, prompts, max_new_tokens: int):
-    from ddtree.engine import DecodeConfig
-    from ddtree.engine.sweep import sweep
-    from ddtree.models import load_drafter
-
-    target = shape.target()
-    drafter = load_drafter(DEMO_DIR / "drafter", target)
-    configs = [
-        DecodeConfig(policy, budget=budget, max_new_tokens=max_new_tokens, engine_mode=mode)
-        for mode in modes
-        for policy in ("ar", "ddtree")
-    ]
-    points = sweep(target, drafter, prompts, configs)
-    out = []
-    for ar, dd in zip(points[::2], points[1::2], strict=True):
-        if dd.identical_to_ar is False:
-            raise RuntimeError(f"{shape.name} {ar.config.engine_mode}: DDTree output != AR")
-        s_ar, s_dd = ar.summary, dd.summary
-        out.append(
-            ShapeCost(
-                shape=shape.name,
-                params=target.info.n_params,
-                mode=ar.config.engine_mode,
-                step_ar_ms=s_ar["step_s_mean"] * 1e3,
-                step_ddtree_ms=s_dd["step_s_mean"] * 1e3,
-                verify_ar_ms=s_ar["stage_s_mean"]["verify"] * 1e3,
-                verify_ddtree_ms=s_dd["stage_s_mean"]["verify"] * 1e3,
-                draft_ms=s_dd["stage_s_mean"]["draft"] * 1e3,
-                compile_s=s_ar["compile_s"] + s_dd["compile_s"],
-            )
-        )
-    return out
+DEFAULT_ORACLE = "oracle:p=0.65,spread=0.5,ranks=8"  # tau about 4 at B = 16, N = 32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ddtree.models.presets import preset_names
+
     p.add_argument(
-        "--shapes",
-        type=shape_list,
-        default="4:moe,16:moe,16:dense",
-        help="target shapes LAYERS:moe|dense, comma-separated (default: %(default)s)",
+        "--preset",
+        default="qwen3-0.6b",
+        choices=preset_names(),
+        help="model shape (published config.json; see ddtree/assets/presets) (default %(default)s)",
     )
-    add_engine_modes_argument(p, default="eager,compiled")
-    p.add_argument("--budget", type=positive_int, default=8, help="DDTree budget N")
+    add_dtype_argument(p, "bfloat16", "weights and activations")
+    p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     p.add_argument(
-        "--tau",
-        type=positive_float_list,
-        default="3.01",
-        help="acceptance lengths to project the speedup at (default: the bundled pair's at "
-        "N=8 on the demo prompts, measurements/cpu/engine_modes.jsonl)",
+        "--engine-modes",
+        default="eager,compiled",
+        type=_modes,
+        help="comma-separated engine modes (default %(default)s)",
     )
-    p.add_argument("--n-prompts", type=positive_int, default=4)
-    p.add_argument("--max-new-tokens", type=positive_int, default=32)
-    p.add_argument("--threads", type=threads, default=1)
-    p.add_argument("--json", type=output_file, help="also write the rows as JSON")
+    p.add_argument(
+        "--compile-scope",
+        default="layer",
+        choices=("layer", "model"),
+        help="compiled mode: each decoder layer (seconds to compile) or the whole forward "
+        "(minutes at these depths) (default %(default)s)",
+    )
+    p.add_argument(
+        "--budgets", type=int_list, default=[8, 16, 32, 64, 128, 256], help="DDTree budgets N"
+    )
+    p.add_argument(
+        "--oracle",
+        default=DEFAULT_ORACLE,
+        help="the synthetic drafter's accuracy (ddtree.models.oracle) (default %(default)s)",
+    )
+    p.add_argument("--prompts", type=positive_int, default=2, help="random prompts (default 2)")
+    p.add_argument("--context", type=positive_int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="(default 64)")
+    add_threads_argument(p)
+    p.add_argument("--seed", type=int, default=0, help="weights, prompts and oracle (default 0)")
+    p.add_argument(
+        "--bandwidth-records",
+        help="a records file with this machine's bench_bandwidth record (default: measure now)",
+    )
+    p.add_argument("--records", type=records_file, help="append engine_run + bandwidth records")
+    add_json_argument(p)
 
 
-def shape_list(text: str) -> list[Shape]:
-    return [Shape.parse(s) for s in text.split(",") if s]
+def _modes(text: str) -> list[str]:
+    from ddtree.commands._decode import engine_modes
 
-
-def positive_float_list(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        values = []
-    if not values or not all(v > 0 and v == v and v != float("inf") for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {text!r}")
-    return values
+    return engine_modes(text)
 
 
 def run(args: argparse.Namespace) -> int:
-    set_threads(args)
-    codec = TextCodec(DEMO_DIR / "target")
-    prompts = [codec.encode(t) for t in demo_prompts()[: args.n_prompts]]
-    rows = []
-    print(
-        "| shape | params | mode | AR step ms | T1 ms | T(M) ms | T(M)/T1 | draft ms | DDTree "
-        "step ms | " + " | ".join(f"vs AR at tau {t}" for t in args.tau) + " | tau for 2x |"
+    import torch
+
+    from ddtree.bench.shapes import oracle_feeder
+    from ddtree.commands._output import console, note, progress
+    from ddtree.engine import DecodeConfig
+    from ddtree.engine.sweep import sweep_rounds
+    from ddtree.models.oracle import OracleDrafter, parse_oracle_spec
+    from ddtree.models.presets import (
+        Preset,
+        check_fits,
+        memory_plan,
+        random_drafter,
+        random_target,
     )
-    for shape in args.shapes:
-        for c in measure(shape, args.engine_modes, args.budget, prompts, args.max_new_tokens):
-            rows.append(c)
-            print(
-                f"| {c.shape} | {c.params / 1e6:.1f}M | {c.mode} | {c.step_ar_ms:.2f} | "
-                f"{c.verify_ar_ms:.2f} | {c.verify_ddtree_ms:.2f} | "
-                f"{c.verify_ddtree_ms / c.verify_ar_ms:.2f} | {c.draft_ms:.2f} | "
-                f"{c.step_ddtree_ms:.2f} | "
-                + " | ".join(f"{c.speedup(t):.2f}x" for t in args.tau)
-                + f" | {c.tau_for_2x:.1f} |",
-                flush=True,
+    from ddtree.records import write_records
+    from ddtree.signals import keep
+
+    oracle_spec = parse_oracle_spec(args.oracle)
+    set_threads(args)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    preset = Preset.load(args.preset)
+    block = int(preset.drafter["block_size"])
+    max_len = args.context + args.max_new_tokens + block
+    widths = [1, block, *(n + 1 for n in args.budgets)]
+    plan = memory_plan(preset, dtype, max_len + 64 + max(widths), max(widths))
+    check_fits(plan, device, f"preset {preset.name} in {args.dtype}")  # before allocating
+    note(f"preset {preset.name} ({args.dtype}, {device}, {threads_label(args)}): {plan.describe()}")
+    bandwidth = _bandwidth(args, device)
+    kept = []  # what --records holds from this run
+    if args.records and bandwidth[1] is not None:  # appended now: kept if the sweep is cut
+        write_records(args.records, [bandwidth[1]])
+        kept.append("1 bench_bandwidth record")
+        keep(args.records, kept[0])
+
+    n_tensors = sum(1 for _ in _tensor_names(preset))
+    with progress(f"random weights for {preset.name}", total=n_tensors) as bar:
+        tick = lambda n: bar.advance(f"{n / 1e6:.0f}M parameters")  # noqa: E731
+        target = random_target(preset, dtype, device, max_len + 64, args.seed, tick)
+        oracle = OracleDrafter(oracle_spec, random_drafter(preset, target, args.seed + 1, tick))
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [
+        torch.randint(0, preset.target["vocab_size"], (args.context,), generator=gen).tolist()
+        for _ in range(args.prompts)
+    ]
+    configs = [
+        DecodeConfig(
+            policy,
+            block_size=block,
+            budget=budget,
+            max_new_tokens=args.max_new_tokens,
+            engine_mode=mode,
+            compile_scope=args.compile_scope,
+        )
+        for mode in args.engine_modes
+        for policy, budget in (("ar", 1), ("chain", block - 1))
+        + tuple(("ddtree", n) for n in args.budgets)
+    ]
+    feed = oracle_feeder(oracle, prompts)
+    points = []  # over the prompts every config has finished so far
+    try:
+        with progress("decoding", total=len(configs) * len(prompts)) as bar:
+
+            def on_result(config, i, result):
+                feed(config, i, result)
+                bar.advance(
+                    f"{config.engine_mode} {config.policy} N={config.budget} prompt {i + 1}"
+                )
+
+            def on_warmup(config):
+                if config.engine_mode != "eager":
+                    bar.announce(
+                        f"warm-up of {config.policy} N={config.budget}: compiling its widths"
+                    )
+
+            for finished in sweep_rounds(
+                target, oracle, prompts, configs, on_result=on_result, on_warmup=on_warmup
+            ):
+                points = finished
+    except KeyboardInterrupt:
+        if points and args.records:
+            done = len(points[0].results)
+            report = _report(
+                args, preset, device, oracle, prompts[:done], bandwidth, points, target
             )
+            extra = {"interrupted": f"after {done} of {len(prompts)} prompts"}
+            records = report.records(points, target, oracle, prompts[:done], extra)
+            write_records(args.records, records)
+            runs = (
+                f"{len(records)} engine_run records over the first {done} of {len(prompts)} prompts"
+            )
+            keep(args.records, " and ".join([*kept, runs]))
+        raise
+    report = _report(args, preset, device, oracle, prompts, bandwidth, points, target)
+    if args.records:
+        records = report.records(points, target, oracle, prompts)
+        write_records(args.records, records)
+        note(
+            f"wrote {' and '.join([*kept, f'{len(records)} engine_run records'])} to {args.records}"
+        )
+    for line in report.warnings():
+        note(line)
     if args.json:
-        args.json.write_text(json.dumps([c.__dict__ for c in rows], indent=1))
+        print(json.dumps(report.as_json()))
+        return 0
+    out = console()
+    out.print(report.table())
+    for line in report.conclusions():
+        out.print(line, markup=False)
     return 0
+
+
+def _report(args, preset, device, oracle, prompts, bandwidth, points, target) -> ShapesReport:
+    """The table's rows over ``prompts`` (the ones ``points`` cover)."""
+    import torch
+
+    return ShapesReport(
+        preset=preset,
+        dtype=args.dtype,
+        device=str(device),
+        threads=torch.get_num_threads(),
+        compile_scope=args.compile_scope,
+        oracle=oracle.info.name,
+        bandwidth_bytes_per_s=bandwidth[0],
+        bandwidth_source=bandwidth[2],
+        rows=_rows(points, target, oracle, prompts, preset, bandwidth[0]),
+    )
+
+
+def _tensor_names(preset):
+    """The parameter tensors the random target and drafter have (for the progress total)."""
+    import torch
+
+    from ddtree.models.decoder import DecoderModel
+    from ddtree.models.dflash import DFlashConfig, DFlashModel
+    from ddtree.models.presets import random_target_config
+
+    with torch.device("meta"):
+        yield from DecoderModel(random_target_config(preset)).state_dict()
+        yield from DFlashModel(DFlashConfig.from_dict(preset.drafter)).state_dict()
+
+
+def _bandwidth(args, device):
+    """(read bytes/s, its bench_bandwidth record or None, where the figure came from)."""
+    import torch
+
+    from ddtree.bench.bandwidth import measure, peak_from_records, to_records
+    from ddtree.provenance import this_hardware
+    from ddtree.records import read_records
+
+    if args.bandwidth_records:
+        records = read_records(args.bandwidth_records)
+        peak = peak_from_records(records, device.type, args.bandwidth_records, args.threads)
+        return peak.bytes_per_s, None, peak.source
+    from ddtree.commands._output import note
+
+    note("measuring read bandwidth (1 GiB, the threads of this run) ...")
+    point = measure(device.type, "read", 1 << 30, repeats=5)
+    extra = {"threads": torch.get_num_threads()}
+    (record,) = to_records([point], this_hardware(), extra)
+    source = f"measured now ({device.type}, read, {extra['threads']} threads)"
+    return point.bytes_per_s, record, source
+
+
+def _rows(points, target, oracle, prompts, preset, bandwidth_bytes_per_s: float):
+    from ddtree.bench.shapes import ShapeRow, mean_context, step_bytes
+    from ddtree.vocab import get_policy
+
+    top_k = int(preset.target.get("num_experts_per_tok") or 0)
+    lens = [len(p) for p in prompts]
+    ar_tps = {p.config.engine_mode: p.summary["tokens_per_s"] for p in points
+              if not get_policy(p.config.policy).needs_drafter}  # fmt: skip
+    rows = []
+    for p in points:
+        c = p.config
+        policy = get_policy(c.policy)
+        total, parts = step_bytes(c, target, oracle, mean_context(p.results, lens), top_k)
+        budget = policy.budget(c.block_size, c.budget)
+        rows.append(
+            ShapeRow(
+                mode=c.engine_mode,
+                policy=c.policy,
+                budget=budget,
+                width=budget + 1,
+                summary=p.summary,
+                identical_to_ar=p.identical_to_ar,
+                step_bytes=total,
+                bytes_parts=parts,
+                roofline_fraction=total / bandwidth_bytes_per_s / p.summary["step_s_mean"],
+                vs_ar=p.summary["tokens_per_s"] / ar_tps[c.engine_mode],
+            )
+        )
+    return rows
+
+
+@dataclass
+class ShapesReport:
+    preset: object  # Preset
+    dtype: str
+    device: str
+    threads: int
+    compile_scope: str
+    oracle: str  # the synthetic drafter's name (its spec and whose cost it pays)
+    bandwidth_bytes_per_s: float
+    bandwidth_source: str
+    rows: list
+
+    def _row(self, mode: str, policy: str, budget: int | None = None):
+        for r in self.rows:
+            if (r.mode, r.policy) == (mode, policy) and (budget is None or r.budget == budget):
+                return r
+        return None
+
+    def table(self):
+        from rich.table import Table
+
+        table = Table(
+            title=f"ddtree bench shapes: random-weight {self.preset.name} ({self.dtype}, "
+            f"{self.device}, {self.threads} threads, compile scope {self.compile_scope}); "
+            f"drafter: {self.oracle} (SYNTHETIC acceptance)",
+            caption=f"GB/step: what a step must read (weights, experts touched, KV); roofline: "
+            f"GB/step / {self.bandwidth_bytes_per_s / 1e9:.1f} GB/s ({self.bandwidth_source}) "
+            f"/ step time. T(M)/T1: verify over the AR step's verify, same mode",
+        )
+        for col in ("mode", "policy", "N", "M", "tau", "tok/s", "vs AR", "same as AR",
+                    "step ms", "draft ms", "verify ms", "T(M)/T1", "GB/step", "roofline"):  # fmt: skip
+            table.add_column(col, justify="left" if col in ("mode", "policy") else "right")
+        for r in self.rows:
+            s = r.summary
+            ar = self._row(r.mode, "ar")
+            verify = s["stage_s_mean"]["verify"]
+            table.add_row(
+                r.mode,
+                r.policy,
+                str(r.budget),
+                str(r.width),
+                f"{s['mean_tau']:.2f}",
+                f"{s['tokens_per_s']:.2f}",
+                f"{r.vs_ar:.2f}x",
+                {None: "-", True: "yes", False: "NO"}[r.identical_to_ar],
+                f"{s['step_s_mean'] * 1e3:.1f}",
+                f"{s['stage_s_mean']['draft'] * 1e3:.1f}",
+                f"{verify * 1e3:.1f}",
+                f"{verify / ar.summary['stage_s_mean']['verify']:.2f}",
+                f"{r.step_bytes / 1e9:.2f}",
+                f"{r.roofline_fraction:.0%}",
+            )
+        return table
+
+    def conclusions(self) -> list[str]:
+        """What the table says about the regime, in a few measured sentences per mode."""
+        lines = []
+        for mode in dict.fromkeys(r.mode for r in self.rows):
+            ar, chain = self._row(mode, "ar"), self._row(mode, "chain")
+            best = max((r for r in self.rows if r.mode == mode), key=lambda r: r.vs_ar)
+            lines.append(
+                f"{mode}: AR reads {ar.step_bytes / 1e9:.2f} GB a step at "
+                f"{ar.roofline_fraction:.0%} of the memory roofline; best {best.policy}"
+                f"{'' if best.policy == 'ar' else f' N={best.budget}'}: {best.vs_ar:.2f}x AR "
+                f"tokens/s (tau {best.summary['mean_tau']:.2f}, step "
+                f"{best.summary['step_s_mean'] / ar.summary['step_s_mean']:.2f}x AR's), "
+                f"chain {chain.vs_ar:.2f}x; the tau is the synthetic oracle's"
+            )
+        return lines
+
+    def warnings(self) -> list[str]:
+        """A step cannot read memory faster than the machine can: a roofline past 100% means
+        the bandwidth figure came out low (measured while another job ran, or another
+        machine's), and every roofline of this run with it."""
+        over = [r for r in self.rows if r.roofline_fraction > 1]
+        if not over:
+            return []
+        worst = max(r.roofline_fraction for r in over)
+        return [
+            f"warning: {len(over)} of {len(self.rows)} rows read faster than the bandwidth "
+            f"(up to {worst:.0%} of {self.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+            f"{self.bandwidth_source}): that figure is too low, so the roofline column is not "
+            "to be trusted; measure again on a quiet machine or give --bandwidth-records"
+        ]
+
+    def as_json(self) -> dict:
+        return {
+            "warnings": self.warnings(),
+            "preset": self.preset.name,
+            "dtype": self.dtype,
+            "device": self.device,
+            "threads": self.threads,
+            "compile_scope": self.compile_scope,
+            "drafter": self.oracle,
+            "synthetic_drafter": True,
+            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "bandwidth_source": self.bandwidth_source,
+            "rows": [
+                {
+                    "mode": r.mode,
+                    "policy": r.policy,
+                    "budget": r.budget,
+                    "width": r.width,
+                    "mean_tau": r.summary["mean_tau"],
+                    "tokens_per_s": r.summary["tokens_per_s"],
+                    "vs_ar": r.vs_ar,
+                    "identical_to_ar": r.identical_to_ar,
+                    "step_s_mean": r.summary["step_s_mean"],
+                    "stage_s_mean": {str(k): v for k, v in r.summary["stage_s_mean"].items()},
+                    "step_bytes": r.step_bytes,
+                    "bytes_parts": r.bytes_parts,
+                    "roofline_fraction": r.roofline_fraction,
+                }
+                for r in self.rows
+            ],
+        }
+
+    def records(self, points, target, oracle, prompts, extra: dict | None = None) -> list:
+        """One engine_run record per row (the shape, dtype, synthetic drafter and roofline in
+        its config, and ``extra``); the bench_bandwidth record is written when measured."""
+        from ddtree.engine import engine_run_record
+
+        records = []
+        for p, r in zip(points, self.rows, strict=True):
+            config = {
+                "preset": self.preset.name,
+                "shape": self.preset.target,
+                "shape_source": self.preset.sources,
+                "random_weights": True,
+                "synthetic_drafter": oracle.info.name,
+                "compile_scope": self.compile_scope,
+                "threads": self.threads,
+                "step_bytes": r.step_bytes,
+                "bytes_parts": r.bytes_parts,
+                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+                "bandwidth_source": self.bandwidth_source,
+                "roofline_fraction": r.roofline_fraction,
+                **(extra or {}),
+            }
+            record = engine_run_record(
+                p.results,
+                p.config,
+                target.info,
+                None,
+                oracle.info,
+                None,
+                self.device,
+                [len(x) for x in prompts],
+                config,
+                compile_s=p.summary["compile_s"],
+            )
+            # the shape that ran (untied, as random targets are), for the estimator to cost
+            record.target["config_json"] = {**self.preset.target, "tie_word_embeddings": False}
+            records.append(record)
+        return records
