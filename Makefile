@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ddtree-installed
 
-.PHONY: demo test test-all lint format bench clean-venv
+.PHONY: demo test test-all lint format clean-venv
 
 # The install also builds the compiled tree core (setup.py: src/ddtree/tree/_native.cpp).
 $(STAMP): pyproject.toml setup.py Makefile src/ddtree/tree/_native.cpp

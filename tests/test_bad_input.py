@@ -80,6 +80,15 @@ FLAG_CASES = [
     _flag("bench engine", "--budgets", "0", "comma-separated integers"),
     _flag("bench engine", "--budgets", "8,-1", "comma-separated integers"),
     _flag("bench engine", "--n-prompts", "-1", INT0),
+    _flag("serve", "--port", "70000", "expected a port (0: any free one) in 0..65535"),
+    _flag("serve", "--port", "-1", "in 0..65535"),
+    _flag("serve", "--max-queue", "-1", INT0),
+    _flag("serve", "--max-body-bytes", "0", INT1),
+    _flag("serve", "--host", "no.such.host.invalid", "cannot listen there"),
+    _flag("bench serve", "--requests", "0", INT1),
+    _flag("bench serve", "--concurrency", "0", INT1),
+    _flag("bench serve", "--repeats", "-2", INT1),
+    _flag("bench serve", "--url", "http://127.0.0.1:1", "not a ddtree server here"),
     _flag("bench tree", "--vocab", "0", INT1),
     _flag("bench tree", "--repeats", "nan", INT1),
     _flag("bench tree", "--prefix", "-1", INT0),
@@ -202,6 +211,8 @@ CHECKPOINT_CASES = [
     Case("target-shape", f"{AR} --target {{w}}/t_shape", ("t_shape", "model.norm.weight")),
     Case("target-missing-tensor", f"{AR} --target {{w}}/t_notensor", ("t_notensor", "lm_head.weight")),
     Case("target-nan", f"{AR} --target {{w}}/t_nan --records {{w}}/work/run.jsonl", ("NaN/inf in logits",)),
+    Case("target-quant-method", f"{AR} --target {{w}}/t_awq", ("t_awq/config.json", "quant_method='awq'")),
+    Case("target-fp8-no-scale", f"{AR} --target {{w}}/t_fp8_noscale", ("t_fp8_noscale/model.safetensors", "o_proj.weight_scale_inv is missing")),
     Case("drafter-missing", f"{DD} --drafter {{w}}/nowhere", ("nowhere",)),
     Case("drafter-architecture", f"{DD} --drafter {{w}}/d_arch", ("d_arch/config.json", "architectures")),
     Case("drafter-hidden-size", f"{DD} --drafter {{w}}/d_hidden", ("d_hidden/config.json", "hidden_size=128", "hidden_size=256")),
@@ -221,7 +232,7 @@ OTHER_CASES = [
     Case("replay-tau-missing-trace", "replay tau {w}/nowhere.safetensors", ("nowhere.safetensors", "no such trace")),
     Case("replay-tau-records-as-trace", f"replay tau {RUNS}", ("bandwidth.jsonl", "safetensors")),
     Case("replay-check-scenario-as-trace", "replay check {w}/scenarios/rate-zero.toml", ("rate-zero.toml", "safetensors")),
-    _flag("replay record", "--top-k", "0", INT1),
+    _flag("replay record", "--candidates", "0", INT1),
     _flag("replay record", "--out", "{w}/work", "folder"),
     Case("diagnose-missing-records", "diagnose {w}/nowhere.jsonl {w}/nowhere.jsonl", ("nowhere.jsonl", "no such")),
     _flag(f"diagnose {RUNS} {RUNS}", "--budget", "-1", INT0),
@@ -267,6 +278,15 @@ def _build(w: Path) -> None:
     _edit_tensors(target, w / "t_shape", lambda t: t.update({"model.norm.weight": torch.ones(7)}))
     _edit_tensors(target, w / "t_notensor", lambda t: t.pop("lm_head.weight"))
     _edit_tensors(target, w / "t_nan", lambda t: t["lm_head.weight"].fill_(float("nan")))
+    _edit_config(target, w / "t_awq", quantization_config={"quant_method": "awq"})
+    # an fp8 checkpoint (DeepSeek-V3's quantization_config) whose o_proj lost its scale
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    _edit_config(target, w / "t_fp8_noscale", quantization_config=fp8)
+    fp8_weights = w / "t_fp8_noscale" / "model.safetensors"
+    tensors = load_file(fp8_weights)
+    tensors[o_proj] = tensors[o_proj].to(torch.float8_e4m3fn)
+    save_file(tensors, fp8_weights)
     _edit_config(drafter, w / "d_arch", architectures=["LlamaForCausalLM"])
     _edit_config(drafter, w / "d_hidden", hidden_size=128)
     _edit_config(drafter, w / "d_vocab", vocab_size=1000)
@@ -334,8 +354,9 @@ def test_bad_input_gets_one_line_naming_what_was_expected(case, world, capsys, m
     lines = _error_lines(err)
     assert code not in (0, None), err
     assert "Traceback" not in err
-    # one error line; a skipped record adds its own one-line warning naming file:line
-    assert len([x for x in lines if not x.startswith("warning: ")]) == 1, err
+    # one error line; a skipped record adds its own one-line warning naming file:line, a
+    # loaded checkpoint its one-line note on the dtype it runs in
+    assert len([x for x in lines if not x.startswith(("warning: ", "note: "))]) == 1, err
     for part in case.expect:
         assert any(part in x for x in lines), (part, lines)
     assert _snapshot(world) == before  # nothing written, nothing half-written

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import re
 import sys
@@ -18,11 +17,13 @@ import warnings
 
 from ddtree.errors import DistributedError, NonFiniteLogitsError
 from ddtree.records import RecordWarning
+from ddtree.signals import exit_code, handle_signals, interrupted_line
 
 # (command path, module, one-line help). A path of two words is a sub-subcommand.
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "demo", "decode held-out prompts with AR, chain and DDTree on the bundled pair"),
     (("generate",), "generate", "stream a completion from a local target (and drafter)"),
+    (("serve",), "serve", "an OpenAI-compatible HTTP server on the DDTree engine"),
     (
         ("estimate",),
         "estimate",
@@ -35,11 +36,26 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
         "attribute the tokens/s ratio of two engine runs to tau and stages",
     ),
     (("bench", "tree"), "bench_tree", "time top-k, tree build and verify layout"),
+    (
+        ("bench", "attention"),
+        "bench_attention",
+        "tree-verify attention without a dense mask against the dense mask: time, memory",
+    ),
+    (
+        ("bench", "linear"),
+        "bench_linear",
+        "a model's linear weights per kernel against verify width M: what makes verify cheap",
+    ),
     (("bench", "engine"), "bench_engine", "sweep policies and budgets; write measurement records"),
     (
         ("bench", "shapes"),
         "bench_shapes",
-        "step costs of larger random targets with the bundled drafter: what would pay",
+        "step costs at published model shapes (random weights, synthetic acceptance): the regime",
+    ),
+    (
+        ("bench", "serve"),
+        "bench_serve",
+        "load a ddtree server: requests/s, latencies, HTTP overhead",
     ),
     (("bench", "bandwidth"), "bench_bandwidth", "measure memory bandwidth of this machine"),
     (("bench", "moe"), "bench_moe", "time one MoE layer forward against verify width M"),
@@ -71,8 +87,24 @@ GROUP_HELP = {
 }
 
 
-def _available(module: str) -> bool:
-    return importlib.util.find_spec(f"ddtree.commands.{module}") is not None
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (lists as ``8,16,32``), unless it has none
+    (None, False, an empty list) or its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or (isinstance(default, list) and not default)
+            or not action.option_strings
+        ):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {str(shown).replace('%', '%%')})"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,8 +123,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, module, help_text in COMMANDS:
-        if not _available(module):
-            continue
         subparsers = top
         if len(path) == 2:
             group = path[0]
@@ -101,7 +131,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                 groups[group] = group_parser.add_subparsers(dest="subcommand", metavar="WHAT")
                 group_parser.set_defaults(_group_parser=group_parser)
             subparsers = groups[group]
-        sub = subparsers.add_parser(path[-1], help=help_text, description=help_text)
+        sub = subparsers.add_parser(
+            path[-1], help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
         if argv is not None and tuple(argv[: len(path)]) != path:
             continue
         mod = importlib.import_module(f"ddtree.commands.{module}")
@@ -130,28 +162,32 @@ def main(argv: list[str] | None = None) -> int:
     if run is None:
         (getattr(args, "_group_parser", None) or parser).print_help()
         return 2
-    try:
-        return int(run(args) or 0)
-    except (ValueError, OSError, NonFiniteLogitsError, DistributedError) as e:
-        # bad input (files, fields, arguments), a file that cannot be read or written, or a
-        # model emitting NaN/inf: the message names it; DDTREE_DEBUG=1 re-raises
-        if os.environ.get("DDTREE_DEBUG"):
-            raise
-        print(f"error: {_describe(e)}", file=sys.stderr)
-        return 2
-    except (MemoryError, RuntimeError) as e:
-        # sizes too large for this machine (a huge --vocab, --samples, ...): one line saying so
-        if not _out_of_memory(e) or os.environ.get("DDTREE_DEBUG"):
-            raise
-        print(f"error: out of memory ({_allocation(e)}); ask for smaller sizes", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
-        parallel = sys.modules.get("ddtree.models.parallel")
-        if parallel is not None:  # release the ranks of --tp targets the command opened
-            parallel.close_open_targets()
+    with handle_signals():
+        try:
+            return int(run(args) or 0)
+        except (ValueError, OSError, NonFiniteLogitsError, DistributedError) as e:
+            # bad input (files, fields, arguments), a file that cannot be read or written, or
+            # a model emitting NaN/inf: the message names it; DDTREE_DEBUG=1 re-raises
+            if os.environ.get("DDTREE_DEBUG"):
+                raise
+            print(f"error: {_describe(e)}", file=sys.stderr)
+            return 2
+        except (MemoryError, RuntimeError) as e:
+            # sizes too large for this machine (a huge --vocab, --samples, ...): one line
+            if not _out_of_memory(e) or os.environ.get("DDTREE_DEBUG"):
+                raise
+            print(
+                f"error: out of memory ({_allocation(e)}); ask for smaller sizes", file=sys.stderr
+            )
+            return 2
+        except KeyboardInterrupt as e:
+            # Ctrl-C or SIGTERM (ddtree.signals): what the command kept, and 130 / 143
+            print(interrupted_line(e), file=sys.stderr)
+            return exit_code(e)
+        finally:
+            parallel = sys.modules.get("ddtree.models.parallel")
+            if parallel is not None:  # release the ranks of --tp targets the command opened
+                parallel.close_open_targets()
 
 
 def _out_of_memory(e: BaseException) -> bool:

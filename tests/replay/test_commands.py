@@ -13,7 +13,7 @@ from ddtree.records import read_records
 @pytest.fixture(scope="module")
 def trace_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("trace") / "demo.safetensors"
-    argv = ["replay", "record", "--n-prompts", "2", "--max-new-tokens", "16", "--top-k", "64"]
+    argv = ["replay", "record", "--n-prompts", "2", "--max-new-tokens", "16", "--candidates", "64"]
     assert main(argv + ["--threads", "1", "--out", str(path)]) == 0
     return path
 
@@ -27,12 +27,20 @@ def test_record_then_tau_writes_acceptance_records(trace_path, tmp_path, capsys)
     points = {(p["policy"], p["budget"]): p for p in out["points"]}
     assert set(points) == {("chain", 7), ("ddtree", 2), ("ddtree", 8), ("ddtree", 128)}
     assert points[("ddtree", 2)]["mean_tau"] <= points[("ddtree", 8)]["mean_tau"]
-    assert points[("ddtree", 128)]["limited_steps"] >= 0
+    # the trace keeps K = 64 per depth: trees that want no more are never limited; a budget
+    # of 128 wants K = 128 and some of its trees reach the 64th candidate
+    within = (("chain", 7), ("ddtree", 2), ("ddtree", 8))
+    assert [points[p]["limited_steps"] for p in within] == [0, 0, 0]
+    assert points[("ddtree", 128)]["limited_steps"] > 0
     for p in points.values():
         assert sum(p["histogram"]) == p["steps"] and p["tokens"] == 2 * 15  # 1 from prefill
     acc = read_records(records, kind="acceptance")
     assert [(r.policy, r.budget) for r in acc] == [(p, n) for p, n in points]
     assert {r.trace for r in acc} == {out["trace"]} and acc[0].prompts == 2
+    # the prompts' lengths, so tune can tell the trace's workload from the engine runs'
+    from ddtree.replay.trace import load_trace
+
+    assert acc[0].prompt_lengths == [p.prompt_tokens for p in load_trace(trace_path).header.prompts]
     assert acc[0].tau_low <= acc[0].mean_tau <= acc[0].tau_high
 
 

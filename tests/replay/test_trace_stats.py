@@ -12,11 +12,7 @@ from hypothesis import strategies as st
 from ddtree.replay.simulate import PromptReplay, replay_points, replay_prompt
 from ddtree.replay.stats import bootstrap_interval, summarize
 from ddtree.replay.trace import (
-    ModelStamp,
-    PromptInfo,
-    Trace,
     TraceError,
-    TraceHeader,
     check_folders,
     folder_fingerprint,
     load_trace,
@@ -24,36 +20,7 @@ from ddtree.replay.trace import (
 )
 from ddtree.tree import build_tree
 
-
-def stamp(name="m", fingerprint=""):
-    return ModelStamp(name, "Arch", 10, 16, "float32", fingerprint)
-
-
-def make_trace(prompt, continuation, logprobs, tokens, block_size, stop="max_new_tokens"):
-    """One prompt; ``logprobs``/``tokens`` [n-1, B-1, K] (one row per root)."""
-    lp = torch.tensor(logprobs, dtype=torch.float32)
-    header = TraceHeader(
-        target=stamp("t"),
-        drafter=stamp("d"),
-        block_size=block_size,
-        top_k=lp.shape[-1],
-        max_new_tokens=len(continuation),
-        eos_token_ids=[],
-        prompts=[PromptInfo(len(prompt), len(continuation), stop)],
-    )
-    return Trace(
-        header, torch.tensor(prompt + continuation), lp, torch.tensor(tokens, dtype=torch.int64)
-    )
-
-
-# The simulate module's worked example: B = 3, prompt of 2 tokens, continuation [5, 6, 7].
-EXAMPLE = dict(
-    prompt=[1, 2],
-    continuation=[5, 6, 7],
-    logprobs=[[[-0.1, -2.0], [-0.5, -0.7]], [[-0.2, -0.3], [-0.1, -0.9]]],
-    tokens=[[[6, 9], [8, 7]], [[7, 3], [4, 5]]],
-    block_size=3,
-)
+from .helpers import EXAMPLE, make_trace
 
 
 def test_worked_example_of_the_replay_walk():

@@ -1,16 +1,26 @@
-"""argparse types shared by the commands (stdlib only, so light commands stay light).
+"""argparse types and arguments shared by the commands (stdlib only, so light commands stay
+light), the arguments both training commands take, and ``set_threads``, which applies
+``--threads`` (it imports torch when called).
 
 Each type rejects what the command cannot use with one line that argparse prefixes with the
 argument's name: ``argument --budget: expected an integer in 1..8192, got '0'``. Floats must be
 finite (``nan`` and ``inf`` parse as floats in Python; no command can use them).
+
+One meaning per flag name across commands: ``--threads`` (torch CPU threads, the same default
+everywhere), ``--dtype`` (one spelling per dtype), ``--json`` (one JSON document on stdout
+instead of the tables), ``--records FILE`` (measurement records appended to FILE, checked by
+``records_file`` when the command line is read, before any work).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
@@ -69,17 +79,189 @@ probability = float_in(0.0, 1.0, low_open=True, what="a probability")
 seed = int_in(0, MAX_SEED, what="a seed")
 
 
+# Torch's default is one thread per core. On a machine shared with other jobs, OpenMP threads
+# spin at every barrier while a neighbour holds a core. Measured side by side on this project's
+# shared 2-core machine (load average 2.3-3.1), torch's 2 threads against one, alternated:
+# `generate --stats` (128 tokens) 62.5 / 53.3 / 81.5 vs 552 / 511 / 746 tok/s (one thread
+# 8.8-9.6x faster); `replay record` (4 prompts x 64 tokens) 7.09 vs 0.86 s, then 0.78 vs 0.87 s;
+# `train target` (8 steps) 4 vs 9 s, then 52 vs 8 s. Two threads gained at most 2.2x while the
+# other core was free and lost up to 9.6x while it was not: one thread is the safe default.
+# $OMP_NUM_THREADS, when set, is the user's choice.
+DEFAULT_THREADS = 1
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
 def threads(text: str) -> int:
     """torch CPU threads: 0 (torch's default) up to this machine's CPU count."""
     return int_in(0, os.cpu_count() or 1, what="a thread count (0: torch's default)")(text)
 
 
+def add_threads_argument(p: argparse.ArgumentParser, what: str = "torch CPU threads") -> None:
+    """``--threads``, with the one default every command shares (see ``DEFAULT_THREADS``)."""
+    p.add_argument(
+        "--threads",
+        type=threads,
+        default=None,
+        metavar="N",
+        help=f"{what}; 0: torch's default (one per core) (default: ${THREADS_ENV} when set, "
+        f"else {DEFAULT_THREADS}: safe on a shared machine, where torch's default ran up to 10x "
+        "slower in our runs)",
+    )
+
+
+def _env_threads() -> int | None:
+    """$OMP_NUM_THREADS as a positive count, or None (unset or not a single number)."""
+    try:
+        value = int(os.environ.get(THREADS_ENV, ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+def chosen_threads(requested: int | None) -> int | None:
+    """The count ``--threads`` asks for: ``requested``; unset (None): $OMP_NUM_THREADS or
+    ``DEFAULT_THREADS``; 0 stays 0 (torch's default)."""
+    if requested is not None:
+        return requested
+    return _env_threads() or DEFAULT_THREADS
+
+
+def set_threads(args: argparse.Namespace) -> int:
+    """Apply ``--threads`` (see ``chosen_threads``); returns the thread count in use."""
+    import torch
+
+    n = chosen_threads(args.threads)
+    if n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def threads_label(args: argparse.Namespace) -> str:
+    """What ``set_threads`` chose and why, for a command's output: ``1 thread (default)``."""
+    import torch
+
+    n = torch.get_num_threads()
+    if args.threads is None:
+        why = f"${THREADS_ENV}" if _env_threads() else "default; --threads N for more"
+    elif args.threads == 0:
+        why = "torch's default, --threads 0"
+    else:
+        why = "--threads"
+    return f"{n} thread{'' if n == 1 else 's'} ({why})"
+
+
+# One spelling per dtype, torch's (as vLLM's --dtype); the short forms are read as aliases.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "float": "float32",
+                 "bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16"}  # fmt: skip
+
+
+def dtype_name(text: str) -> str:
+    """An argparse type: a dtype's one spelling (``bf16`` -> ``bfloat16``)."""
+    name = DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPE_NAMES)}, got {text!r}")
+    return name
+
+
+dtype_name.__name__ = "dtype"
+
+
+def add_dtype_argument(p: argparse.ArgumentParser, default: str, what: str) -> None:
+    p.add_argument(
+        "--dtype",
+        type=dtype_name,
+        default=default,
+        metavar="{" + ",".join(DTYPE_NAMES) + "}",
+        help=f"{what} (default: %(default)s)",
+    )
+
+
+def add_json_argument(p: argparse.ArgumentParser) -> None:
+    """``--json``: one meaning in every command."""
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document to stdout instead of the tables (notes and progress "
+        "go to stderr)",
+    )
+
+
+def add_training_arguments(p: argparse.ArgumentParser, defaults) -> None:
+    """What ``train target`` and ``train drafter`` both take after their own arguments: peak
+    learning rate, seed, corpus slice, checkpoint interval, resume, threads, progress
+    (``defaults``: the recipe's config, for the rate, the seed and the interval)."""
+    p.add_argument("--lr", type=positive_float, default=defaults.lr, help="peak learning rate")
+    p.add_argument("--seed", type=seed, default=defaults.seed, help="weights and data order")
+    p.add_argument("--max-files", type=positive_int, default=None, help="first N corpus files only")
+    p.add_argument(
+        "--save-every", type=positive_int, default=defaults.save_every, help="checkpoint interval"
+    )
+    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
+    add_threads_argument(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@contextmanager
+def naming_the_checkpoint(out: Path, steps: int) -> Iterator[None]:
+    """Around a training run: on an interrupt, say which checkpoint this run left (the
+    training loop saves the last finished step's before the interrupt goes on;
+    ``ddtree.signals``). A checkpoint older than the run is not this run's to name."""
+    started = time.time()
+    try:
+        yield
+    except KeyboardInterrupt:
+        from ddtree.signals import keep
+        from ddtree.train.state import CHECKPOINT_DIR, checkpoint_step
+
+        ckpt = Path(out) / CHECKPOINT_DIR
+        step = checkpoint_step(out)
+        if step is not None and (ckpt / "state.json").stat().st_mtime >= started - 1:
+            keep(
+                ckpt,
+                f"the checkpoint of step {step} of {steps} (the same command with --resume "
+                "continues from it)",
+            )
+        raise
+
+
+def training_config(cls, args: argparse.Namespace):
+    """The training config dataclass ``cls`` from the parsed arguments of its field names."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
 def output_file(text: str) -> Path:
-    """A file to write (records, traces): not an existing folder; parent folders are created."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder; expected a file path to write")
-    return path
+    """A file to write by replacing it (traces): what ``ddtree.files.check_output_file``
+    accepts (a regular, writable file or a new path; not a folder, device or FIFO)."""
+    from ddtree.files import check_output_file
+
+    return _checked(check_output_file, text)
+
+
+def records_file(text: str) -> Path:
+    """A records file to append to: what ``ddtree.records.check_records_file`` accepts (also
+    not a file of something else, such as a TOML scenario, nor one with other hard links)."""
+    from ddtree.records import check_records_file
+
+    return _checked(check_records_file, text)
+
+
+def output_folder(text: str) -> Path:
+    """A folder to write files into (``--out`` of training, ``--report``): what
+    ``ddtree.files.check_output_folder`` accepts (an existing writable folder or a new path)."""
+    from ddtree.files import check_output_folder
+
+    return _checked(check_output_folder, text)
+
+
+def _checked(check: Callable[[str], Path], text: str) -> Path:
+    """``Path(text)`` once ``check`` accepts it; its OSError as argparse's one line."""
+    try:
+        check(text)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{exc.filename}: {exc.strerror}") from None
+    return Path(text)
 
 
 def int_list_upto(high: int | None) -> Callable[[str], list[int]]:
@@ -100,3 +282,28 @@ def int_list_upto(high: int | None) -> Callable[[str], list[int]]:
 
 
 int_list = int_list_upto(None)
+
+
+def add_renamed(p: argparse.ArgumentParser, old: str, new: str, why: str) -> None:
+    """A flag that moved: ``old`` is refused with one line naming ``new`` (hidden in --help)."""
+
+    class Renamed(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{old} is now {new} here ({why})")
+
+    p.add_argument(old, action=Renamed, nargs="?", help=argparse.SUPPRESS)
+
+
+def add_alias(p: argparse.ArgumentParser, action: argparse.Action, alias: str) -> None:
+    """``alias`` sets what ``action`` sets (vLLM's and SGLang's names for our flags). Its own
+    entry stays out of --help (the action's help names it), and an error names the flag the
+    user typed."""
+    p.add_argument(
+        alias,
+        dest=action.dest,
+        type=action.type,
+        choices=action.choices,
+        metavar=action.metavar,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )

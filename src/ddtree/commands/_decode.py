@@ -10,51 +10,76 @@ from importlib.resources import files
 from pathlib import Path
 
 from ddtree.commands._args import (
+    add_alias,
+    add_dtype_argument,
+    add_threads_argument,
     int_list,
     non_negative_float,
     non_negative_int,
     positive_int,
     probability,
     seed,
-    threads,
+    set_threads,
 )
-from ddtree.records import EngineMode
+from ddtree.vocab import DEFAULT_POLICY, POLICIES, EngineMode, policies_help
 
 DEMO_DIR = Path(str(files("ddtree") / "assets" / "demo"))
-DTYPES = ("float32", "bfloat16", "float16")
+# ddtree.models.TARGET_IMPLS' names (not imported here: it imports torch; a test keeps them equal)
+TARGET_IMPL_CHOICES = ("auto", "mla_moe", "decoder", "hf")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, default_demo: bool) -> None:
     where = " (default: the bundled demo pair)" if default_demo else ""
-    p.add_argument("--target", help=f"target checkpoint directory{where}")
+    target = p.add_argument(
+        "--target", help=f"target checkpoint directory{where} (also --model, as vLLM)"
+    )
+    add_alias(p, target, "--model")
     p.add_argument("--drafter", help=f"DFlash drafter directory (z-lab format){where}")
     p.add_argument(
         "--impl",
         default="auto",
-        choices=("auto", "mla_moe", "hf"),
-        help="target implementation (auto: ours for DeepSeek-V3/Kimi configs)",
+        choices=TARGET_IMPL_CHOICES,
+        help="target implementation (auto: ours for DeepSeek-V3 / Kimi-K2 (mla_moe) and "
+        "Qwen3 / Qwen3-MoE / Llama (decoder), transformers (hf) for the rest) "
+        "(default: %(default)s)",
     )
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    add_dtype_argument(p, "float32", "weights and activations")
     p.add_argument(
-        "--threads",
-        type=threads,
-        default=0,
-        help="torch CPU threads, 0 for torch's default (default: %(default)s)",
+        "--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)"
     )
-    p.add_argument(
+    add_threads_argument(p)
+    tp = p.add_argument(
         "--tp",
         type=positive_int,
         default=1,
         help="split the MLA+MoE target over N processes (spawned here, or the ranks torchrun "
-        "started); rank 0 runs the drafter and the tree (default: %(default)s)",
+        "started); rank 0 runs the drafter and the tree (also --tensor-parallel-size, as "
+        "vLLM) (default: %(default)s)",
     )
+    add_alias(p, tp, "--tensor-parallel-size")
     p.add_argument(
         "--ep",
         type=positive_int,
         default=1,
         help="with --tp: split the routed experts into N groups of whole experts (N divides "
         "--tp); 1 splits every expert's intermediate instead (default: %(default)s)",
+    )
+
+
+def add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """``--policy`` and ``--engine-mode`` of a command that decodes with one configuration."""
+    p.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        choices=tuple(POLICIES),
+        help=f"{policies_help()} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--engine-mode",
+        default="eager",
+        choices=[m.value for m in EngineMode],
+        help="eager, or compiled (torch.compile at static shapes: compiles first, then faster "
+        "steps; MLA+MoE targets) (default: %(default)s)",
     )
 
 
@@ -69,8 +94,10 @@ def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sampling top-k (0: off)")
     p.add_argument("--top-p", type=probability, default=1.0, help="sampling top-p (1: off)")
-    p.add_argument("--seed", type=seed, default=0)
-    p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
+    p.add_argument("--seed", type=seed, default=0, help="sampling seed")
+    p.add_argument(
+        "--max-new-tokens", type=positive_int, default=max_new_tokens, help="tokens per prompt"
+    )
     p.add_argument(
         "--buckets",
         type=int_list,
@@ -90,19 +117,6 @@ def engine_modes(text: str) -> list[str]:
             f"engine modes {text!r}: expected a comma-separated subset of {','.join(known)}"
         )
     return modes
-
-
-def check_engine_modes(models: LoadedModels, modes: list[str]) -> None:
-    """Refuse, before decoding anything, an engine mode the loaded models cannot run."""
-    for model in (models.target, models.drafter):
-        bad = [m for m in modes if model is not None and m not in model.engine_modes]
-        if bad:
-            raise SystemExit(
-                f"error: engine mode {bad[0]!r} is not available for {model.info.name} "
-                f"(implementation {model.info.implementation}, runs: "
-                f"{', '.join(model.engine_modes)}); compiled mode runs the MLA+MoE target "
-                f"(DeepSeek-V3 / Kimi-K2 configs) and the DFlash drafter"
-            )
 
 
 def decode_config(args: argparse.Namespace, policy: str, budget: int | None = None, **extra):
@@ -150,21 +164,10 @@ class LoadedModels:
     drafter_path: Path | None
 
 
-def set_threads(args: argparse.Namespace) -> int:
-    """Apply ``--threads`` (0 keeps torch's default); returns the thread count in use."""
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return torch.get_num_threads()
-
-
-def load_models(args: argparse.Namespace, need_drafter: bool, default_demo: bool) -> LoadedModels:
-    import torch
-
-    from ddtree.models import load_drafter, load_target
-
-    set_threads(args)
+def model_paths(
+    args: argparse.Namespace, need_drafter: bool, default_demo: bool
+) -> tuple[Path, Path | None]:
+    """The target and drafter folders the arguments name (the bundled pair by default)."""
     target_path = Path(args.target) if args.target else None
     drafter_path = Path(args.drafter) if args.drafter else None
     if default_demo:
@@ -174,6 +177,30 @@ def load_models(args: argparse.Namespace, need_drafter: bool, default_demo: bool
         raise SystemExit("error: --target DIR is required")
     if need_drafter and drafter_path is None:
         raise SystemExit("error: this policy needs --drafter DIR (or use --policy ar)")
+    return target_path, drafter_path
+
+
+def load_models(
+    args: argparse.Namespace,
+    need_drafter: bool,
+    default_demo: bool,
+    engine_modes: tuple[str, ...] = ("eager",),
+) -> LoadedModels:
+    """Target, drafter and tokenizer from the model arguments; ``engine_modes`` the run will
+    use are refused first, from the checkpoints' config.json alone, when one cannot run them."""
+    import torch
+
+    from ddtree.models import DRAFTER_ENGINE_MODES, load_drafter, load_target, target_engine_modes
+    from ddtree.models.static import check_engine_support
+
+    set_threads(args)
+    target_path, drafter_path = model_paths(args, need_drafter, default_demo)
+    described = f"{target_path.name} (impl {args.impl}, tp {args.tp})"
+    models = [(described, target_engine_modes(target_path, args.impl, args.tp))]
+    if need_drafter:
+        models.append((f"drafter {drafter_path.name}", DRAFTER_ENGINE_MODES))
+    for mode in engine_modes:
+        check_engine_support(mode, models)
     dtype = getattr(torch, args.dtype)
     target = load_target(
         target_path, impl=args.impl, dtype=dtype, device=args.device, tp=args.tp, ep=args.ep
@@ -181,7 +208,25 @@ def load_models(args: argparse.Namespace, need_drafter: bool, default_demo: bool
     drafter = None
     if need_drafter:
         drafter = load_drafter(drafter_path, target, dtype=dtype, device=args.device)
+    stored = checkpoint_dtype(target_path)
+    if stored and stored != args.dtype:  # never a silent cast: say which way it went
+        from ddtree.commands._output import note
+
+        # after the loads, so a checkpoint that fails to load gets its error line alone
+        note(
+            f"note: {target_path.name} stores {stored} weights; they run as {args.dtype} (--dtype)"
+        )
     return LoadedModels(target, drafter, TextCodec(target_path), target_path, drafter_path)
+
+
+def checkpoint_dtype(path: Path) -> str | None:
+    """The dtype a checkpoint's config.json says its weights are stored in (``dtype``, or
+    the older ``torch_dtype``), or None when it does not say."""
+    from ddtree.models.checkpoint import read_config
+
+    config = read_config(path)
+    stored = config.get("dtype") or config.get("torch_dtype")
+    return str(stored).removeprefix("torch.") if stored else None
 
 
 def demo_prompts(path: Path | None = None) -> list[str]:
@@ -205,7 +250,7 @@ def summary_tables(points, title: str):
     from rich.table import Table
 
     from ddtree.engine.sweep import speedups
-    from ddtree.records import STEP_STAGES
+    from ddtree.vocab import STEP_STAGES, get_policy
 
     ratio = speedups(points)
     head = Table(title=title, caption="vs AR, same as AR: against AR in the same engine mode")
@@ -221,8 +266,9 @@ def summary_tables(points, title: str):
     for i, p in enumerate(points):
         s, c = p.summary, p.config
         same = {None: "-", True: "yes", False: "NO"}[p.identical_to_ar]
-        block = "-" if c.policy == "ar" else str(c.block_size)
-        budget = {"ar": "0", "chain": str(c.block_size - 1)}.get(c.policy, str(c.budget))
+        policy = get_policy(c.policy)
+        block = str(c.block_size) if policy.needs_drafter else "-"
+        budget = str(policy.budget(c.block_size, c.budget))
         head.add_row(
             c.engine_mode,
             c.policy,
@@ -239,3 +285,47 @@ def summary_tables(points, title: str):
             c.engine_mode, c.policy, budget, *stage_ms, f"{s['overhead_fraction'] * 100:.0f}%"
         )
     return head, stages
+
+
+# T(M)/T1 under which a verify of M tokens counts as nearly free (the weights dominate)
+MEMORY_BOUND_VERIFY_RATIO = 1.3
+
+
+def regime_lines(points) -> list[str]:
+    """What a sweep says about the regime, per engine mode with AR and DDTree points: the
+    speedup as tau over the step ratio, the verify's cost over one token's, and the tau that
+    2x would need (every figure from the points; nothing assumed)."""
+    from ddtree.vocab import get_policy
+
+    lines = []
+    for mode in dict.fromkeys(p.config.engine_mode for p in points):
+        here = [p for p in points if p.config.engine_mode == mode]
+        ar = next((p for p in here if not get_policy(p.config.policy).needs_drafter), None)
+        trees = [p for p in here if p.config.policy == "ddtree"]
+        if ar is None or not trees:
+            continue
+        best = max(trees, key=lambda p: p.summary["tokens_per_s"])
+        a, d = ar.summary, best.summary
+        ratio = d["step_s_mean"] / a["step_s_mean"]
+        verify = d["stage_s_mean"]["verify"] / a["stage_s_mean"]["verify"]
+        draft = d["stage_s_mean"]["draft"] / a["stage_s_mean"]["verify"]
+        width = get_policy(best.config.policy).budget(best.config.block_size, best.config.budget)
+        bound = verify < MEMORY_BOUND_VERIFY_RATIO
+        regime = (
+            "memory-bound: a wide verify is nearly free"
+            if bound
+            else ("compute/dispatch-bound: the verify grows with its width")
+        )
+        lines.append(
+            f"{mode}: DDTree N={best.config.budget} is {d['tokens_per_s'] / a['tokens_per_s']:.2f}x "
+            f"AR = tau {d['mean_tau']:.2f} / a step {ratio:.2f}x AR's (verify of {width + 1} "
+            f"tokens {verify:.2f}x one token's, drafter {draft:.2f}x): {regime}; 2x AR would "
+            f"need tau >= {2 * ratio:.1f}"
+        )
+    if lines:
+        lines.append(
+            "Real-size targets are memory-bound, where a verify of 8-64 tokens costs about one "
+            "token's: `ddtree bench shapes --preset qwen3-1.7b` measures that regime on this "
+            "machine (README: Where DDTree pays)."
+        )
+    return lines

@@ -8,22 +8,33 @@ import json
 import math
 
 from ddtree.commands._args import (
+    add_alias,
+    add_dtype_argument,
+    add_json_argument,
+    add_threads_argument,
+    chosen_threads,
     int_in,
     int_list,
     non_negative_int,
-    output_file,
     positive_float,
     positive_int,
+    records_file,
+    set_threads,
+    threads_label,
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ddtree.bench.allreduce import DEFAULT_HIDDEN, DEFAULT_MS, DTYPES
+    from ddtree.bench.allreduce import DEFAULT_HIDDEN, DEFAULT_MS
     from ddtree.distributed import DEFAULT_TIMEOUT_S
 
-    p.add_argument(
-        "--tp", type=int_in(2), default=2, help="ranks in the group (default: %(default)s)"
+    tp = p.add_argument(
+        "--tp",
+        type=int_in(2),
+        default=2,
+        help="ranks in the group (also --tensor-parallel-size) (default: %(default)s)",
     )
+    add_alias(p, tp, "--tensor-parallel-size")
     p.add_argument(
         "--m",
         type=int_list,
@@ -36,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_HIDDEN,
         help="hidden size (default: %(default)s, Kimi K2 / DeepSeek-V3)",
     )
-    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="default: bf16")
+    add_dtype_argument(p, "bfloat16", "activations all-reduced")
     p.add_argument(
         "--device",
         default="cpu",
@@ -52,9 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--iters", type=positive_int, default=10, help="all-reduces per sample (default 10)"
     )
-    p.add_argument(
-        "--threads", type=positive_int, default=1, help="torch threads per rank (default 1)"
-    )
+    add_threads_argument(p, what="torch CPU threads per rank")
     p.add_argument(
         "--timeout",
         type=positive_float,
@@ -62,8 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds one collective may take before the group fails (default: %(default)s)",
     )
     p.add_argument(
-        "--records", type=output_file, help="append a bench_allreduce record to this JSONL file"
+        "--records", type=records_file, help="append a bench_allreduce record to this JSONL file"
     )
+    add_json_argument(p)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -74,9 +84,6 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
 
     from ddtree.bench.allreduce import (
@@ -85,24 +92,23 @@ def run(args: argparse.Namespace) -> int:
         follow_allreduce,
         measure_allreduce,
     )
+    from ddtree.commands._output import console, note, progress
     from ddtree.distributed import start_group
-    from ddtree.records import BenchAllreduce, HardwareInfo, Provenance, write_records
+    from ddtree.provenance import this_hardware, this_process
+    from ddtree.records import BenchAllreduce, write_records
 
     _check(args)
+    threads = set_threads(args)  # each rank sets the same count (0: torch's default there)
     settings = AllreduceSettings(
-        tuple(args.m), args.hidden, args.dtype, args.repeats, args.warmup, args.iters, args.threads
-    )
-    torch.set_num_threads(args.threads)
+        tuple(args.m), args.hidden, args.dtype, args.repeats, args.warmup, args.iters,
+        chosen_threads(args.threads) or threads,
+    )  # fmt: skip
     group = start_group(args.tp, follow_allreduce, (settings,), args.device, args.timeout)
     if group is None:  # a rank > 0 under torchrun: it measured along with rank 0
         return 0
-    console = Console()
     try:
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("all-reduce", total=len(settings.ms))
-            points = measure_allreduce(
-                group, settings, lambda m: progress.update(task, advance=1, description=f"M={m}")
-            )
+        with progress("all-reduce", total=len(settings.ms)) as bar:
+            points = measure_allreduce(group, settings, lambda m: bar.advance(f"M={m}"))
     finally:
         group.close()
     n = group.world_size
@@ -114,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         )
     table = Table(
         title=f"ddtree bench allreduce: {n} ranks, {group.backend} on {args.device}, "
-        f"{args.dtype}, hidden {args.hidden}",
+        f"{args.dtype}, hidden {args.hidden}, {threads_label(args)} per rank",
         caption=f"fit: latency {fit.latency_s * 1e6:.1f} µs + 2(n-1)/n x bytes / "
         f"{fit.bus_bytes_per_s / 1e9:.2f} GB/s (worst point {fit.max_rel_error:.0%} off). "
         "busbw = algbw x 2(n-1)/n (nccl-tests); 1 GB/s = 1e9 B/s",
@@ -131,18 +137,17 @@ def run(args: argparse.Namespace) -> int:
             f"{p.algbw_bytes_per_s / 1e9:.3f}",
             f"{p.bus_bytes_per_s / 1e9:.3f}",
         )
-    console.print(table)
     config_extra = {
         "repeats": args.repeats,
         "warmup": args.warmup,
         "iters": args.iters,
-        "threads": args.threads,
+        "threads": settings.threads,
         "launcher": group.launcher,
         "statistic": "median of samples, slowest rank",
     }
     record = BenchAllreduce(
-        hardware=HardwareInfo.collect(),
-        provenance=Provenance.here("ddtree bench allreduce"),
+        hardware=this_hardware(),
+        provenance=this_process("ddtree bench allreduce"),
         device=args.device,
         backend=group.backend,
         world_size=n,
@@ -154,9 +159,12 @@ def run(args: argparse.Namespace) -> int:
         config_extra=config_extra,
         summary_extra={"fit_max_rel_error": fit.max_rel_error},
     )
-    if args.records:
+    if args.records:  # before stdout, which may be a closed pipe
         write_records(args.records, [record])
-        console.print(f"wrote a bench_allreduce record to {args.records}")
-    print(json.dumps({"bench": "allreduce", **record.config, **record.summary,
-                      "points": record.points}))  # fmt: skip
+        note(f"wrote a bench_allreduce record to {args.records}")
+    if args.json:
+        print(json.dumps({"bench": "allreduce", **record.config, **record.summary,
+                          "points": record.points}))  # fmt: skip
+    else:
+        console().print(table)
     return 0

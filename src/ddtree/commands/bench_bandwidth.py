@@ -6,11 +6,14 @@ import argparse
 import json
 
 from ddtree.commands._args import (
+    add_json_argument,
+    add_threads_argument,
     int_list_upto,
     non_negative_int,
-    output_file,
     positive_int,
-    threads,
+    records_file,
+    set_threads,
+    threads_label,
 )
 
 
@@ -51,19 +54,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warmup", type=non_negative_int, default=2, help="untimed samples first (default 2)"
     )
-    p.add_argument("--threads", type=threads, default=0, help="torch threads (0: torch's default)")
+    add_threads_argument(p, what="torch CPU threads (measure at the count the engine runs with)")
     p.add_argument(
         "--records",
-        type=output_file,
+        type=records_file,
         help="append bench_bandwidth measurement records to this JSONL file",
     )
+    add_json_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    import torch
-    from rich.console import Console
     from rich.table import Table
 
     from ddtree.bench.bandwidth import (
@@ -74,25 +76,21 @@ def run(args: argparse.Namespace) -> int:
         resolve_devices,
         to_records,
     )
-    from ddtree.records import HardwareInfo, write_records
+    from ddtree.commands._output import console, note, progress
+    from ddtree.provenance import this_hardware
+    from ddtree.records import write_records
 
-    if args.repeats < 1:
-        print(f"--repeats must be >= 1, got {args.repeats}", file=sys.stderr)
-        return 2
     try:
         devices = resolve_devices(args.device)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    threads = torch.get_num_threads()
+    threads = set_threads(args)
     host = host_conditions()  # before we load the cores ourselves
     llc = last_level_cache_bytes()
-    console = Console()
     llc_text = f"LLC {llc / MIB:.0f} MiB" if llc else "LLC unknown"
     table = Table(
-        title=f"ddtree bench bandwidth ({threads} CPU threads, {llc_text})",
+        title=f"ddtree bench bandwidth ({threads_label(args)}, {llc_text})",
         caption="1 GB/s = 1e9 B/s. bytes/call: buffers moved per call (copy = read + write). "
         "* buffer under 4x the last-level cache: partly cached, not a memory figure.",
     )
@@ -100,9 +98,10 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right")
     points = []
     sizes = [mib * MIB for mib in args.sizes_mib]
-    with console.status("timing...") as status:
+    total = len(devices) * len(args.methods) * len(sizes)
+    with progress("timing", total=total) as bar:
         for pt in bench_bandwidth(devices, args.methods, sizes, args.repeats, args.warmup):
-            status.update(f"{pt.device} {pt.method} {pt.buffer_bytes // MIB} MiB")
+            bar.advance(f"{pt.device} {pt.method} {pt.buffer_bytes // MIB} MiB")
             points.append(pt)
             small = pt.device == "cpu" and llc is not None and pt.buffer_bytes < 4 * llc
             table.add_row(
@@ -115,8 +114,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{pt.bytes_per_s_p10 / 1e9:.1f}",
                 f"{pt.bytes_per_s_p90 / 1e9:.1f}",
             )
-    console.print(table)
-    hw = HardwareInfo.collect()
+    hw = this_hardware()
     config = {
         "threads": threads,
         "repeats": args.repeats,
@@ -128,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
     records = to_records(points, hw, config)
     if args.records:  # before stdout, which may be a closed pipe
         write_records(args.records, records)
+        note(f"wrote {len(records)} bench_bandwidth records to {args.records}")
+    if not args.json:
+        console().print(table)
+        return 0
     print(
         json.dumps(
             {

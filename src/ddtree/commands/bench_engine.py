@@ -6,23 +6,25 @@ import argparse
 import time
 from pathlib import Path
 
-from ddtree.commands._args import int_list, non_negative_int, output_file
+from ddtree.commands._args import int_list, non_negative_int, records_file, threads_label
 from ddtree.commands._decode import (
     add_decode_arguments,
     add_model_arguments,
-    check_engine_modes,
     decode_config,
     demo_prompts,
     engine_modes,
     load_models,
-    set_threads,
+    regime_lines,
     summary_tables,
 )
+from ddtree.vocab import get_policy, policies_help
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, default_demo=True)
-    p.add_argument("--policies", default="ar,chain,ddtree", help="comma-separated: ar,chain,ddtree")
+    p.add_argument(
+        "--policies", default="ar,chain,ddtree", help=f"comma-separated, of {policies_help()}"
+    )
     p.add_argument(
         "--budgets", type=int_list, default=[8, 16, 32, 64, 128], help="DDTree budgets N"
     )
@@ -31,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--n-prompts", type=non_negative_int, default=0, help="use the first n prompts (0: all)"
     )
     p.add_argument(
-        "--records", type=output_file, help="engine_run records file (default runs/engine-*.jsonl)"
+        "--records", type=records_file, help="engine_run records file (default runs/engine-*.jsonl)"
     )
     add_engine_modes_argument(p, default="eager")
     add_decode_arguments(p, max_new_tokens=64)
@@ -54,52 +56,78 @@ def configs_from_args(args: argparse.Namespace):
         decode_config(args, policy, n, engine_mode=mode)
         for mode in args.engine_modes
         for policy in policies
-        for n in (args.budgets if policy == "ddtree" else [args.budget])
+        for n in (args.budgets if get_policy(policy).uses_budget else [args.budget])
     ]
 
 
+def _label(config) -> str:
+    budget = get_policy(config.policy).budget(config.block_size, config.budget)
+    return f"{config.engine_mode} {config.policy} B={config.block_size} N={budget}"
+
+
 def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
+    """Decode the prompts under ``configs``; the tables go to stdout, progress to stderr.
+    ``title`` may hold ``{threads}``: the thread count chosen and why.
 
-    from ddtree.engine import engine_run_record
-    from ddtree.engine.sweep import sweep
-    from ddtree.records import write_records
+    Interrupted (Ctrl-C, SIGTERM), it appends the records of the prompts every config
+    finished (the last complete round of the sweep), marked ``interrupted``, and names them."""
+    from ddtree.commands._output import console as make_console
+    from ddtree.commands._output import note, progress
+    from ddtree.engine.sweep import sweep_rounds
+    from ddtree.records import check_records_file, write_records
+    from ddtree.signals import keep
 
-    console = Console()
+    console = make_console()
+    path = args.records or Path("runs") / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    check_records_file(path)  # now, not after the sweep
     prompts = demo_prompts(args.prompts)
     if args.n_prompts:
         prompts = prompts[: args.n_prompts]
-    need_drafter = any(c.policy != "ar" for c in configs)
-    with console.status("loading models..."):
-        models = load_models(args, need_drafter=need_drafter, default_demo=True)
-    check_engine_modes(models, sorted({c.engine_mode for c in configs}))
+    need_drafter = any(get_policy(c.policy).needs_drafter for c in configs)
+    with progress("loading models"):
+        modes = tuple(sorted({c.engine_mode for c in configs}))
+        models = load_models(args, need_drafter=need_drafter, default_demo=True, engine_modes=modes)
+    title = title.format(threads=threads_label(args))
     ids = [models.codec.encode(p) for p in prompts]
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("decoding", total=len(configs) * len(ids))
+    points = []  # over the prompts every config has finished so far
+    try:
+        with progress("decoding", total=len(configs) * len(ids)) as bar:
 
-        def advance(config, i):
-            label = (
-                f"{config.engine_mode} {config.policy} B={config.block_size} "
-                f"N={config.budget} prompt {i + 1}"
+            def warmup(config) -> None:
+                if config.engine_mode != "eager":  # compiles the graphs it has not compiled yet
+                    bar.announce(
+                        f"warm-up of {_label(config)}: compiling its new widths (tens of "
+                        "seconds each on a small CPU, cached on disk)"
+                    )
+
+            def advance(config, i, result):
+                bar.advance(f"{_label(config)} prompt {i + 1}")
+
+            for finished in sweep_rounds(
+                models.target, models.drafter, ids, configs, models.codec, advance,
+                on_warmup=warmup,
+            ):  # fmt: skip
+                points = finished
+    except KeyboardInterrupt:
+        if points:
+            done = len(points[0].results)
+            records = _records(args, models, ids, points, f"after {done} of {len(ids)} prompts")
+            write_records(path, records)
+            keep(
+                path,
+                f"{len(records)} engine_run records over the first {done} of {len(ids)} prompts",
             )
-            progress.update(task, advance=1, description=label)
-
-        if "compiled" in {c.engine_mode for c in configs}:
-            console.print(
-                "compiled mode: the first request of each width bucket compiles its graphs "
-                "(tens of seconds each on a small CPU; cached on disk for later runs)"
-            )
-
-        points = sweep(models.target, models.drafter, ids, configs, models.codec, advance)
+        raise
     for i in range(min(show_text, len(prompts))):
-        console.rule(f"prompt {i + 1}")
+        console.print(f"--- prompt {i + 1} ---")
         console.print(
             prompts[i], style="dim", end="", markup=False, highlight=False, soft_wrap=True
         )
         console.print(points[-1].results[i].text, markup=False, highlight=False, soft_wrap=True)
     for table in summary_tables(points, title):
         console.print(table)
+    for line in regime_lines(points):
+        console.print(line, markup=False, highlight=False)
     compiled = [p for p in points if p.config.engine_mode != "eager"]
     if compiled:
         each = [p.summary["compile_s"] for p in compiled]
@@ -107,24 +135,9 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
             f"compile time (warm-up, not in any step): {sum(each):.1f} s over {len(each)} "
             f"compiled configs ({', '.join(f'{s:.1f}' for s in each)} s)"
         )
-    path = args.records or Path("runs") / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    records = [
-        engine_run_record(
-            p.results,
-            p.config,
-            models.target.info,
-            models.target_path,
-            None if models.drafter is None or p.config.policy == "ar" else models.drafter.info,
-            models.drafter_path,
-            device=args.device,
-            prompt_lens=[len(x) for x in ids],
-            extra={"identical_to_ar": p.identical_to_ar},
-            compile_s=p.summary["compile_s"],
-        )
-        for p in points
-    ]
+    records = _records(args, models, ids, points)
     write_records(path, records)
-    console.print(f"wrote {len(records)} engine_run records to {path}")
+    note(f"wrote {len(records)} engine_run records to {path}")
     bad = [p.config.policy for p in points if p.identical_to_ar is False]
     if bad:
         console.print(f"[red]greedy output differs from AR for {bad}: losslessness broken[/red]")
@@ -132,6 +145,30 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
     return 0
 
 
+def _records(args, models, ids, points, interrupted: str | None = None) -> list:
+    """One engine_run record per point, over the prompts its results cover; ``interrupted``
+    (``after 3 of 16 prompts``) goes into each config when the sweep did not finish."""
+    from ddtree.engine import engine_run_record
+
+    lens = [len(x) for x in ids[: len(points[0].results)]]
+    mark = {} if interrupted is None else {"interrupted": interrupted}
+    return [
+        engine_run_record(
+            p.results,
+            p.config,
+            models.target.info,
+            models.target_path,
+            models.drafter.info if get_policy(p.config.policy).needs_drafter else None,
+            models.drafter_path,
+            device=args.device,
+            prompt_lens=lens,
+            extra={"identical_to_ar": p.identical_to_ar, **mark},
+            compile_s=p.summary["compile_s"],
+        )
+        for p in points
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
-    title = f"ddtree bench engine ({args.device}, {args.dtype}, {set_threads(args)} threads)"
+    title = f"ddtree bench engine ({args.device}, {args.dtype}, {{threads}})"
     return run_sweep(args, configs_from_args(args), title)

@@ -9,22 +9,30 @@ import sys
 from pathlib import Path
 
 from ddtree.commands._args import (
+    DTYPE_ALIASES,
+    add_json_argument,
+    add_renamed,
+    add_threads_argument,
     int_list,
     non_negative_int,
-    output_file,
     positive_float,
     positive_int,
+    records_file,
     seed,
-    threads,
+    set_threads,
+    threads_label,
 )
+
+PRECISIONS = ("bfloat16", "int4")  # ddtree.bench.moe.PRECISIONS (not imported: it loads torch)
 
 
 def _precisions(text: str) -> list[str]:
-    names = [x for x in text.split(",") if x]
-    bad = [n for n in names if n not in ("bf16", "int4")]
+    names = [DTYPE_ALIASES.get(x, x) for x in text.split(",") if x]
+    bad = [n for n in names if n not in PRECISIONS]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown precision(s) {', '.join(bad) or text!r}; expected some of bf16,int4"
+            f"unknown precision(s) {', '.join(bad) or text!r}; expected some of "
+            f"{','.join(PRECISIONS)}"
         )
     return names
 
@@ -38,7 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=positive_int, help="hidden size H (overrides --config)")
     p.add_argument("--moe-intermediate", type=positive_int, help="routed expert width I")
     p.add_argument("--experts", type=positive_int, help="routed experts E")
-    p.add_argument("--top-k", type=positive_int, help="experts per token k")
+    p.add_argument(
+        "--experts-per-token", type=positive_int, help="routed experts per token k (top-k)"
+    )
+    add_renamed(p, "--top-k", "--experts-per-token", "--top-k is sampling's top-k in every command")
     p.add_argument("--shared-experts", type=non_negative_int, help="shared experts (always run)")
     p.add_argument(
         "--ms",
@@ -47,7 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="verify widths M (default 1,2,4,...,256)",
     )
     p.add_argument(
-        "--precisions", type=_precisions, default=["bf16", "int4"], help="bf16,int4 (default both)"
+        "--precisions",
+        type=_precisions,
+        default=list(PRECISIONS),
+        help="expert weights: bfloat16, int4 (weight-only, bfloat16 activations) (default: both)",
     )
     p.add_argument(
         "--group-size", type=positive_int, default=32, help="INT4 scale group (default 32)"
@@ -64,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warmup", type=non_negative_int, default=1, help="untimed forwards first (default 1)"
     )
-    p.add_argument("--threads", type=threads, default=0, help="torch threads (0: torch's default)")
+    add_threads_argument(p)
     p.add_argument("--seed", type=seed, default=0, help="weights seed (default 0)")
     peak = p.add_mutually_exclusive_group()
     peak.add_argument(
@@ -79,9 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--records",
-        type=output_file,
+        type=records_file,
         help="append bench_moe measurement records to this JSONL file",
     )
+    add_json_argument(p)
 
 
 def _shape(args: argparse.Namespace):
@@ -103,7 +118,7 @@ def _shape(args: argparse.Namespace):
         "hidden_size": args.hidden,
         "moe_intermediate_size": args.moe_intermediate,
         "n_routed_experts": args.experts,
-        "top_k": args.top_k,
+        "top_k": args.experts_per_token,
         "n_shared_experts": args.shared_experts,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -149,19 +164,14 @@ def _peak(args: argparse.Namespace, device: str):
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
     from rich.table import Table
 
     from ddtree.bench.bandwidth import host_conditions, last_level_cache_bytes
     from ddtree.bench.moe import bench_moe, build_layer, gib, to_record, total_weight_bytes
-    from ddtree.records import HardwareInfo, RecordError, write_records
+    from ddtree.commands._output import console, note, progress
+    from ddtree.provenance import this_hardware
+    from ddtree.records import RecordError, write_records
 
-    if args.repeats < 1 or args.warmup < 0:
-        print(
-            f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats}, {args.warmup}",
-            file=sys.stderr,
-        )
-        return 2
     if args.device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device == "cuda" and not torch.cuda.is_available():
@@ -169,13 +179,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     else:
         device = args.device
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     host = host_conditions()  # before we load the cores ourselves
     try:
         shape, source = _shape(args)
         # the INT4 layer is packed from a BF16 one, so both exist for a moment
-        need = total_weight_bytes(shape, "bf16") + (
+        need = total_weight_bytes(shape, "bfloat16") + (
             total_weight_bytes(shape, "int4", args.group_size) if "int4" in args.precisions else 0
         )
         free = _available_bytes(device)
@@ -191,22 +200,21 @@ def run(args: argparse.Namespace) -> int:
 
     threads = torch.get_num_threads()
     llc = last_level_cache_bytes() if device == "cpu" else None
-    console = Console()
     table = Table(
         title=f"ddtree bench moe: H={shape.hidden_size} I={shape.moe_intermediate_size} "
         f"E={shape.n_routed_experts} k={shape.top_k} shared={shape.n_shared_experts}, "
-        f"{device}, {threads} threads",
+        f"{device}, {threads_label(args)}",
         caption=f"{shape.name}. experts: measured distinct experts per forward; uniform: "
         f"E(1-(1-k/E)^M). MB moved: touched experts + shared + router + activations. "
         f"Peak {peak.bytes_per_s / 1e9:.1f} GB/s: {peak.source}. 1 GB/s = 1e9 B/s.",
     )
     for col in ("prec", "M", "ms", "p10-p90 ms", "experts", "uniform", "MB", "GB/s", "%peak"):
         table.add_column(col, justify="right")
-    hw = HardwareInfo.collect()
+    hw = this_hardware()
     records, results = [], []
-    with console.status("building...") as status:
+    with progress("timing", total=len(args.precisions) * len(args.ms)) as bar:
         for precision in args.precisions:
-            status.update(f"building the {precision} layer...")
+            bar.announce(f"building the {precision} layer")
             try:
                 layer = build_layer(shape, device, args.seed, args.group_size, precision)
             except ValueError as exc:
@@ -214,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             points = []
             for pt in bench_moe(layer, shape, args.ms, peak.bytes_per_s, args.repeats, args.warmup):
-                status.update(f"{precision} M={pt.m}")
+                bar.advance(f"{precision} M={pt.m}")
                 points.append(pt)
                 table.add_row(
                     precision,
@@ -257,6 +265,9 @@ def run(args: argparse.Namespace) -> int:
             results.append({**record.config, **record.summary, "points": record.points})
     if args.records:  # before stdout, which may be a closed pipe
         write_records(args.records, records)
-    console.print(table)
-    print(json.dumps({"bench": "moe", "hardware": hw.label, "results": results}))
+        note(f"wrote {len(records)} bench_moe records to {args.records}")
+    if args.json:
+        print(json.dumps({"bench": "moe", "hardware": hw.label, "results": results}))
+    else:
+        console().print(table)
     return 0

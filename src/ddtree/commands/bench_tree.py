@@ -6,7 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from ddtree.commands._args import int_list, non_negative_int, output_file, positive_int, threads
+from ddtree.commands._args import (
+    add_json_argument,
+    add_threads_argument,
+    int_list,
+    non_negative_int,
+    positive_int,
+    records_file,
+    set_threads,
+    threads_label,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,38 +35,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeats", type=positive_int, default=20, help="timed calls per point (median)"
     )
+    add_threads_argument(p, what="torch CPU threads (the tree core itself is single-threaded)")
     p.add_argument(
-        "--threads",
-        type=threads,
-        default=1,
-        help="torch threads (default 1: the tree core is single-threaded; 0: torch's default)",
+        "--device",
+        default="cpu",
+        help="where top-k and the batched builder run, e.g. cuda (the heap backends run on "
+        "the host, as the engine runs them) (default %(default)s)",
     )
     p.add_argument(
         "--records",
-        type=output_file,
+        type=records_file,
         help="append a bench_tree measurement record to this JSONL file",
     )
+    add_json_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
     from rich.table import Table
 
     from ddtree.bench.tree import available_backends, bench_tree, to_record
-    from ddtree.records import HardwareInfo, write_records
+    from ddtree.commands._output import console, note, progress
+    from ddtree.provenance import this_hardware
+    from ddtree.records import write_records
     from ddtree.tree import backend
 
     for name in ("vocab", "prefix", "repeats"):
         if getattr(args, name) < (1 if name != "prefix" else 0):
             raise SystemExit(f"ddtree bench tree: --{name} must be >= 1, got {getattr(args, name)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    console = Console()
+    set_threads(args)
     backends = available_backends()
     table = Table(
-        title=f"ddtree bench tree (V={args.vocab}, S={args.prefix}, CPU, "
-        f"{torch.get_num_threads()} threads; backend in use: {backend()})",
+        title=f"ddtree bench tree (V={args.vocab}, S={args.prefix}, top-k and batched on "
+        f"{args.device}, heap on the CPU, {threads_label(args)}; backend in use: {backend()})",
         caption="µs per request (top-k in ms). layout: into a reused LayoutBuffer; new mask: "
         "freshly allocated. vs python: the python row's build+layout / this row's",
     )
@@ -66,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right")
     points = []
     python_s: dict[tuple[int, int], float] = {}
-    with console.status("timing...") as status:
+    with progress("timing") as bar:
         for pt in bench_tree(
             args.blocks,
             args.budgets,
@@ -75,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
             args.repeats,
             args.prefix,
             backends=backends,
+            device=args.device,
         ):
-            status.update(f"B={pt.block_size} N={pt.budget} {pt.builder} R={pt.requests}")
+            bar.update(f"B={pt.block_size} N={pt.budget} {pt.builder} R={pt.requests}")
             points.append(pt)
             key = (pt.block_size, pt.budget)
             if pt.builder == "python":
@@ -95,10 +106,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{pt.accept_s * 1e6:.0f}",
                 f"{ratio:.1f}x",
             )
-    console.print(table)
-    hw = HardwareInfo.collect()
+    hw = this_hardware()
     config = {
-        "device": "cpu",
+        "device": args.device,
         "vocab_size": args.vocab,
         "prefix_len": args.prefix,
         "threads": torch.get_num_threads(),
@@ -109,7 +119,13 @@ def run(args: argparse.Namespace) -> int:
         "tree_backends_timed": [b.name for b in backends],
     }
     record = to_record(points, hw, config)
-    print(json.dumps({"bench": "tree", "hardware": hw.label, **config, "points": record.points}))
-    if args.records:
+    if args.records:  # before stdout, which may be a closed pipe
         write_records(args.records, [record])
+        note(f"wrote a bench_tree record to {args.records}")
+    if args.json:
+        print(
+            json.dumps({"bench": "tree", "hardware": hw.label, **config, "points": record.points})
+        )
+    else:
+        console().print(table)
     return 0

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from ddtree.commands._args import non_negative_int
+from ddtree.commands._args import add_json_argument, non_negative_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,11 +16,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("b", type=Path, help="engine_run records of the run to explain (B)")
     p.add_argument("--policy", help="compare only records of this policy")
     p.add_argument("--budget", type=non_negative_int, help="compare only records at this budget")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    add_json_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddtree.perf.diagnose import diagnose, pair_runs, select, to_json
+    from ddtree.perf.diagnose import diagnose, pair_runs, pair_warning, select, to_json
     from ddtree.records import read_records
 
     runs = [
@@ -28,15 +29,18 @@ def run(args: argparse.Namespace) -> int:
     ]
     pairs = pair_runs(runs[0], runs[1], str(args.a), str(args.b))
     results = [diagnose(a, b, str(args.a), str(args.b)) for a, b in pairs]
+    warnings = list(dict.fromkeys(w for a, b in pairs if (w := pair_warning(a, b))))
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"diagnoses": [to_json(d) for d in results]}))
+        print(json.dumps({"diagnoses": [to_json(d) for d in results], "warnings": warnings}))
         return 0
-    from rich.console import Console
+    from ddtree.commands._output import console
 
-    console = Console()
+    out = console()
     for d in results:
         for part in diagnosis_text(d):
-            console.print(part)
+            out.print(part)
     return 0
 
 

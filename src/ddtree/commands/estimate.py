@@ -9,16 +9,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddtree.commands._args import int_list, positive_int, seed
+from ddtree.commands._args import add_json_argument, int_list, output_folder, positive_int, seed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", nargs="?", help="scenario TOML (default: the bundled seed example)")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    add_json_argument(p)
     p.add_argument(
-        "--explain", action="store_true", help="print the chain of reasoning, every number labelled"
+        "--explain",
+        action="store_true",
+        help="after the summary: every parameter, each case's step breakdown and the chain of "
+        "reasoning, every number labelled",
     )
-    p.add_argument("--report", metavar="DIR", help="write report.md and PNG plots to DIR")
+    p.add_argument(
+        "--report", type=output_folder, metavar="DIR", help="write report.md and PNG plots to DIR"
+    )
     p.add_argument(
         "--records",
         action="append",
@@ -42,18 +47,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="predict each published point of FOLDER (e.g. examples/validation) calibrated on "
         "the other sources' points; print the error per point and the MAPE",
     )
+    add_oversubscribe_argument(p)
     p.add_argument(
-        "--samples", type=positive_int, default=10_000, help="Monte Carlo samples (default 10000)"
+        "--samples",
+        type=positive_int,
+        default=10_000,
+        help="Monte Carlo samples (default: %(default)s)",
     )
-    p.add_argument("--seed", type=seed, default=0, help="Monte Carlo seed (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="Monte Carlo seed (default: %(default)s)")
+
+
+def add_oversubscribe_argument(p: argparse.ArgumentParser) -> None:
+    """--allow-oversubscribe, shared by estimate and tune (the physics checks' memory fit)."""
+    p.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="price a configuration whose weights + KV + activations exceed a GPU's memory "
+        "(a warning instead of an error)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    from ddtree.commands._output import console
     from ddtree.perf import report
     from ddtree.perf.catalog import CatalogError
-    from ddtree.perf.estimate import estimate, load, run_backtest
+    from ddtree.perf.estimate import estimate, load, records_warning, run_backtest
     from ddtree.perf.model import ModelError
     from ddtree.perf.scenario import ScenarioError
     from ddtree.perf.units import UnitError
@@ -67,12 +85,15 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(report.validation_json(v))
             else:
-                report.validation_table(v, Console())
+                report.validation_table(v, console())
             return 0
         if args.backtest:
-            sf = load(args.scenario, args.backtest)
+            sf = load(args.scenario, args.backtest, args.allow_oversubscribe)
             if args.scenario is None:  # hold out records only, not the bundled seed's anchors
                 sf.anchors = [a for a in sf.anchors if a.from_records]
+            mixed = records_warning(sf)
+            if mixed:
+                print(f"warning: {mixed}", file=sys.stderr)
             bt = run_backtest(sf, args.train_budgets)
             if not bt.rows:
                 print(
@@ -87,20 +108,37 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(report.backtest_text(bt))
             return 0
-        sf = load(args.scenario, args.records)
+        sf = load(args.scenario, args.records, args.allow_oversubscribe)
         for note in sf.notes:
             print(f"note: {note}", file=sys.stderr)
         est = estimate(sf, args.samples, args.seed)
     except (ScenarioError, UnitError, CatalogError, ModelError, RecordError) as exc:
         print(f"ddtree estimate: {exc}", file=sys.stderr)
         return 2
+    for warning in report.calibration_warnings(est):
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
         print(report.to_json(est))
-    elif args.explain:
+    elif args.explain:  # the answer first, then how it was reached
+        report.summary(est, console(), details=False)
         print(report.explain(est))
     else:
-        report.table(est, Console())
+        report.summary(est, console())
     if args.report:
-        paths = report.write_report(est, args.report)
+        paths = report.write_report(est, args.report, on_written=_keeping_report(args.report))
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
+
+
+def _keeping_report(folder):
+    """``on_written`` for ``write_report``: what an interrupt keeps of the report so far."""
+    from ddtree.signals import keep
+
+    done = []
+
+    def written(path) -> None:
+        done.append(path.name)
+        if path.name != "report.md":
+            keep(folder, f"{', '.join(done)} (report.md not written yet)")
+
+    return written

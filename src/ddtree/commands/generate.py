@@ -1,53 +1,160 @@
-"""`ddtree generate`: stream a completion from a local target (and drafter)."""
+"""`ddtree generate`: stream a completion from a local target (and drafter).
+
+The prompt is text (``--prompt``, ``--prompt-file FILE``, ``--prompt-file -`` for stdin),
+echoed before the completion; or a chat (``--chat`` sends that text as one user message,
+``--messages FILE`` a JSON list of messages), rendered by the checkpoint's own chat template
+with the generation prompt (``ddtree.serve.chat.ChatTemplate``), and then only the reply is
+printed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
-from ddtree.commands._args import output_file
+from ddtree.commands._args import records_file, threads_label
 from ddtree.commands._decode import (
     add_decode_arguments,
     add_model_arguments,
-    check_engine_modes,
+    add_policy_arguments,
     decode_config,
     load_models,
+    model_paths,
 )
-from ddtree.records import EngineMode
+from ddtree.vocab import get_policy
+
+STDIN = "-"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, default_demo=True)
-    p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--policy", default="ddtree", choices=("ar", "chain", "ddtree"))
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument(
+        "--prompt-file", metavar="FILE", help="read the prompt text from FILE ('-': stdin)"
+    )
+    source.add_argument(
+        "--messages",
+        metavar="FILE",
+        help='chat messages from FILE (\'-\': stdin): a JSON list of {"role", "content"} '
+        'objects (or a chat request body with "messages"), rendered by the chat template',
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as one user message through the checkpoint's chat template "
+        "(chat_template in tokenizer_config.json, or chat_template.jinja) and print only the "
+        "reply",
+    )
+    add_policy_arguments(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print tau and tokens/s to stderr")
     p.add_argument(
         "--records",
-        type=output_file,
+        type=records_file,
         help="append an engine_run measurement record to this JSONL file",
-    )
-    p.add_argument(
-        "--engine-mode",
-        default="eager",
-        choices=[m.value for m in EngineMode],
-        help="eager, or compiled (torch.compile at static shapes: compiles first, then faster "
-        "steps; MLA+MoE targets) (default: %(default)s)",
     )
     add_decode_arguments(p, max_new_tokens=128)
 
 
+def _read(path: str, what: str) -> str:
+    """The text of ``path`` ('-': stdin), or a one-line error naming it."""
+    if path == STDIN:
+        data, name = sys.stdin.buffer.read(), "stdin"
+    else:
+        try:
+            data, name = Path(path).read_bytes(), path
+        except IsADirectoryError:
+            raise ValueError(f"{what} {path}: a folder; expected a file") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {name}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text:
+        raise ValueError(f"{what} {name}: empty; expected a prompt")
+    return text
+
+
+def read_messages(text: str, name: str) -> list[dict[str, str]]:
+    """Chat messages from JSON: a list of messages, or an object with ``"messages"`` (a chat
+    request body); each checked as ``ddtree serve`` checks a request's messages."""
+    from pydantic import ValidationError
+
+    from ddtree.serve.protocol import ChatMessage
+
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--messages {name}: not JSON ({e})") from None
+    messages = doc.get("messages") if isinstance(doc, dict) else doc
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f"--messages {name}: expected a non-empty JSON list of messages "
+            '[{"role": "user", "content": "..."}] or an object with "messages"'
+        )
+    out = []
+    for i, message in enumerate(messages):
+        try:
+            out.append(ChatMessage.model_validate(message).for_template())
+        except ValidationError as e:
+            error = e.errors()[0]
+            where = ".".join(str(x) for x in error["loc"]) or "message"
+            raise ValueError(f"--messages {name}: message {i}: {where}: {error['msg']}") from None
+    return out
+
+
+def prompt_text(args: argparse.Namespace) -> str:
+    if args.prompt is None:
+        return _read(args.prompt_file, "--prompt-file")
+    if not args.prompt:
+        raise ValueError("--prompt: empty; expected a prompt")
+    try:  # the command line's undecodable bytes arrive as lone surrogates
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("--prompt: not valid UTF-8 text") from None
+    return args.prompt
+
+
 def run(args: argparse.Namespace) -> int:
+    from ddtree.commands._output import note
     from ddtree.engine import generate
     from ddtree.engine.stop import IncrementalText
 
     config = decode_config(
         args, args.policy, stop_strings=tuple(args.stop), engine_mode=args.engine_mode
     )
-    models = load_models(args, need_drafter=args.policy != "ar", default_demo=True)
-    check_engine_modes(models, [args.engine_mode])
+    if args.messages is not None:
+        name = "stdin" if args.messages == STDIN else args.messages
+        messages = read_messages(_read(args.messages, "--messages"), name)
+    else:
+        text_in = prompt_text(args)
+        messages = [{"role": "user", "content": text_in}] if args.chat else None
+    policy = get_policy(args.policy)
+    template = None
+    if messages is not None:  # a missing or failing template fails before the models load
+        from ddtree.serve.chat import ChatTemplate
+
+        target_path, _ = model_paths(args, policy.needs_drafter, default_demo=True)
+        template = ChatTemplate.load(target_path)
+        prompt_ids, echo = template.prompt_ids(messages), ""
+    models = load_models(
+        args,
+        need_drafter=policy.needs_drafter,
+        default_demo=True,
+        engine_modes=(args.engine_mode,),
+    )
     codec = models.codec
-    prompt_ids = codec.encode(args.prompt)
+    if template is None:
+        prompt_ids, echo = codec.encode(text_in), text_in
+    if not prompt_ids:
+        raise ValueError("the prompt encodes to no tokens; give some text")
+    if args.engine_mode != "eager":
+        note(
+            "compiling the engine's graphs first (tens of seconds per width on a small CPU; "
+            "cached on disk for later runs) ..."
+        )
     # print what each step adds, decoded incrementally after the prompt's tokens, so pieces
     # that merge across the boundary (spaces, multi-byte characters) come out right
     text = IncrementalText(codec)
@@ -58,14 +165,14 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("".join(text.push(t) for t in new_tokens))
         sys.stdout.flush()
 
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(echo)
     result = generate(models.target, models.drafter, prompt_ids, config, codec, on_commit=stream)
     sys.stdout.write("\n")
     if args.records and result.steps:
         from ddtree.engine import engine_run_record
         from ddtree.records import write_records
 
-        drafter = models.drafter if args.policy != "ar" else None
+        drafter = models.drafter if policy.needs_drafter else None
         record = engine_run_record(
             [result],
             config,
@@ -75,16 +182,16 @@ def run(args: argparse.Namespace) -> int:
             models.drafter_path,
             device=args.device,
             prompt_lens=[len(prompt_ids)],
+            extra={"chat": messages is not None},
         )
         write_records(args.records, [record])
     if args.stats:
         steps = len(result.steps)
         tok_s = sum(result.taus) / result.decode_s if result.decode_s else 0.0
         compiled = f", compile {result.compile_s:.1f} s" if args.engine_mode != "eager" else ""
-        print(
-            f"[{args.policy}, {args.engine_mode}] {len(result.tokens)} tokens, {steps} steps, "
-            f"mean tau {result.mean_tau:.2f}, {tok_s:.1f} tok/s, stop: {result.stop_reason}"
-            f"{compiled}",
-            file=sys.stderr,
+        note(
+            f"[{args.policy}, {args.engine_mode}, {threads_label(args)}] {len(result.tokens)} "
+            f"tokens, {steps} steps, mean tau {result.mean_tau:.2f}, {tok_s:.1f} tok/s, stop: "
+            f"{result.stop_reason}{compiled}"
         )
     return 0

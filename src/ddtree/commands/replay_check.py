@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ddtree.commands._args import int_list, non_negative_int
+from ddtree.commands._args import int_list, non_negative_int, threads_label
 from ddtree.commands._decode import add_model_arguments, load_models
 
 
@@ -21,34 +21,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
 
+    from ddtree.commands._output import console as make_console
+    from ddtree.commands._output import progress
     from ddtree.replay.check import check_against_engine
     from ddtree.replay.simulate import replay_points
     from ddtree.replay.trace import check_folders, load_trace
 
-    console = Console()
+    console = make_console()
     trace = load_trace(args.trace)
-    with console.status("loading models..."):
+    with progress("loading models"):
         models = load_models(args, need_drafter=True, default_demo=True)
     check_folders(trace.header, str(args.trace), models.target_path, models.drafter_path)
     policies = [x for x in args.policies.split(",") if x]
     points = replay_points(trace, policies, args.budgets)
     count = len(trace.header.prompts)
     prompts = list(range(min(args.n_prompts, count) if args.n_prompts else count))
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("decoding", total=len(points) * len(prompts))
+    with progress("decoding", total=len(points) * len(prompts)) as bar:
 
         def advance(run) -> None:
-            label = f"{run.policy} N={run.budget} prompt {run.prompt + 1}"
-            progress.update(task, advance=1, description=label)
+            bar.advance(f"{run.policy} N={run.budget} prompt {run.prompt + 1}")
 
         report = check_against_engine(
             trace, models.target, models.drafter, policies, args.budgets, prompts, advance
         )
-    table = Table(title=f"replay vs engine, step by step ({trace.fingerprint})")
+    table = Table(
+        title=f"replay vs engine, step by step ({trace.fingerprint}; {threads_label(args)})"
+    )
     for col in ("policy", "N", "runs", "steps", "mismatched steps", "lossless"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for policy, budget in points:

@@ -7,7 +7,13 @@ import argparse
 import time
 from pathlib import Path
 
-from ddtree.commands._args import non_negative_int, output_file, positive_int
+from ddtree.commands._args import (
+    add_renamed,
+    non_negative_int,
+    output_file,
+    positive_int,
+    threads_label,
+)
 from ddtree.commands._decode import add_model_arguments, demo_prompts, load_models
 
 
@@ -19,12 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="default: %(default)s")
     p.add_argument(
-        "--top-k",
+        "--candidates",
         type=positive_int,
         default=1024,
-        help="drafter candidates stored per depth, capped at the vocabulary; a budget N replays "
-        "exactly when N <= K (default: %(default)s)",
+        metavar="K",
+        help="drafter candidates stored per depth (the trace's top-K), capped at the "
+        "vocabulary; a budget N replays exactly when N <= K (default: %(default)s)",
     )
+    add_renamed(p, "--top-k", "--candidates", "--top-k is sampling's top-k in every command")
     p.add_argument(
         "--out", type=output_file, help="trace file (default runs/trace-<time>.safetensors)"
     )
@@ -36,59 +44,72 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
+    """Interrupted (Ctrl-C, SIGTERM), the prompts recorded so far are saved as a trace of
+    their own beside ``--out`` (``partial_path``), never under ``--out``."""
+    from ddtree.commands._output import note, progress
+    from ddtree.files import check_output_file
+    from ddtree.replay.record import record_prompts
+    from ddtree.replay.trace import TRACE_FILE, merge_traces, model_stamp, save_trace
+    from ddtree.signals import keep
 
-    from ddtree.replay.record import record_trace
-    from ddtree.replay.trace import model_stamp, save_trace
-
-    if args.max_new_tokens < 1 or args.top_k < 1:
-        raise ValueError("--max-new-tokens and --top-k must be >= 1")
-    console = Console(stderr=True)
+    out = args.out or Path("runs") / f"trace-{time.strftime('%Y%m%d-%H%M%S')}.safetensors"
+    for path in (out, partial_path(out)):  # now, not after the recording
+        check_output_file(path, TRACE_FILE)
     prompts = demo_prompts(args.prompts)
     if args.n_prompts:
         prompts = prompts[: args.n_prompts]
-    with console.status("loading models..."):
+    with progress("loading models"):
         models = load_models(args, need_drafter=True, default_demo=True)
     ids = [models.codec.encode(p) for p in prompts]
-    out = args.out or Path("runs") / f"trace-{time.strftime('%Y%m%d-%H%M%S')}.safetensors"
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("recording", total=len(ids))
-
-        def advance(i: int, new_tokens: int) -> None:
-            progress.update(task, advance=1, description=f"prompt {i + 1}: {new_tokens} tokens")
-
-        start = time.perf_counter()
-        trace = record_trace(
-            models.target,
-            models.drafter,
-            ids,
-            args.max_new_tokens,
-            args.top_k,
-            model_stamp(models.target.info, models.target_path),
-            model_stamp(models.drafter.info, models.drafter_path),
-            texts=prompts,
-            on_prompt=advance,
-        )
-        record_s = time.perf_counter() - start
+    traces = []
+    start = time.perf_counter()
+    try:
+        with progress("recording", total=len(ids)) as bar:
+            for i, trace in enumerate(
+                record_prompts(
+                    models.target,
+                    models.drafter,
+                    ids,
+                    args.max_new_tokens,
+                    args.candidates,
+                    model_stamp(models.target.info, models.target_path),
+                    model_stamp(models.drafter.info, models.drafter_path),
+                    texts=prompts,
+                )
+            ):
+                traces.append(trace)
+                bar.advance(f"prompt {i + 1}: {trace.header.prompts[0].new_tokens} tokens")
+    except KeyboardInterrupt:
+        if traces:
+            kept = save_trace(merge_traces(traces), partial_path(out))
+            keep(kept, f"a trace of the first {len(traces)} of {len(ids)} prompts (not {out})")
+        raise
+    record_s = time.perf_counter() - start
+    trace = merge_traces(traces)
     save_trace(trace, out)
     h = trace.header
     greedy_s = sum(p.greedy_s for p in h.prompts)
     draft_s = sum(p.draft_s for p in h.prompts)
     tokens = sum(p.new_tokens for p in h.prompts)
     size_mb = out.stat().st_size / 1e6
-    console.print(
+    print(
         f"recorded {len(ids)} prompts, {tokens} tokens, {trace.topk_logprobs.shape[0]} roots, "
         f"B={h.block_size}, K={h.top_k}: {record_s:.2f} s (measured: greedy pass "
-        f"{greedy_s:.2f} s, drafting + top-K {draft_s:.2f} s)"
+        f"{greedy_s:.2f} s, drafting + top-K {draft_s:.2f} s; {threads_label(args)})"
     )
-    console.print(f"wrote {out} ({size_mb:.1f} MB, {trace.fingerprint})")
+    note(f"wrote {out} ({size_mb:.1f} MB, {trace.fingerprint})")
     if args.compare_ar:
-        compare_with_ar(console, models, ids, args.max_new_tokens, record_s)
+        compare_with_ar(models, ids, args.max_new_tokens, record_s)
     return 0
 
 
-def compare_with_ar(console, models, ids, max_new_tokens: int, record_s: float) -> None:
+def partial_path(out: Path) -> Path:
+    """Where an interrupted recording keeps its finished prompts: ``x.partial.safetensors``
+    beside ``x.safetensors``."""
+    return out.with_name(f"{out.stem}.partial{out.suffix}")
+
+
+def compare_with_ar(models, ids, max_new_tokens: int, record_s: float) -> None:
     """Time the engine's AR generation of the same prompts and print the ratio."""
     from ddtree.engine import DecodeConfig, generate
 
@@ -97,7 +118,7 @@ def compare_with_ar(console, models, ids, max_new_tokens: int, record_s: float) 
     for prompt in ids:
         generate(models.target, None, prompt, config)
     ar_s = time.perf_counter() - start
-    console.print(
+    print(
         f"engine AR generation of the same tokens: {ar_s:.2f} s (measured); recording / AR = "
         f"{record_s / ar_s:.2f}x"
     )

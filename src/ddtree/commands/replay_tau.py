@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from ddtree.commands._args import int_list
+from ddtree.commands._args import add_json_argument, int_list, records_file
 
 DEFAULT_BUDGETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
@@ -23,10 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="DDTree budgets N (default: 1,2,4,...,1024)",
     )
     p.add_argument("--policies", default="chain,ddtree", help="comma-separated: chain,ddtree")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_json_argument(p)
     p.add_argument(
         "--records",
-        type=Path,
+        type=records_file,
         help="acceptance records file to append to (default runs/acceptance-<time>.jsonl)",
     )
     p.add_argument("--target", type=Path, help="check the trace was recorded with this target")
@@ -34,27 +34,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
-
+    from ddtree.commands._output import console, note, progress
     from ddtree.records import write_records
     from ddtree.replay.simulate import replay_points
     from ddtree.replay.stats import acceptance_record, replay_sweep
     from ddtree.replay.trace import check_folders, load_trace
     from ddtree.tree import backend
 
-    console = Console(stderr=True)
     trace = load_trace(args.trace)
     check_folders(trace.header, str(args.trace), args.target, args.drafter)
     policies = [x for x in args.policies.split(",") if x]
     points = replay_points(trace, policies, args.budgets)
     start, start_cpu = time.perf_counter(), time.process_time()
-    with Progress(console=console, transient=True) as progress:
-        n_policies = len({p for p, _ in points})
-        task = progress.add_task("replaying", total=n_policies * len(trace.header.prompts))
+    n_policies = len({p for p, _ in points})
+    with progress("replaying", total=n_policies * len(trace.header.prompts)) as bar:
 
         def advance(policy: str, i: int) -> None:
-            progress.update(task, advance=1, description=f"{policy} prompt {i + 1}")
+            bar.advance(f"{policy} prompt {i + 1}")
 
         summaries = replay_sweep(trace, policies, args.budgets, advance)
     replay_s, replay_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
@@ -76,21 +72,21 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out))
         return 0
-    out_console = Console()
+    out = console()
     for table in tau_tables(summaries, h):
-        out_console.print(table)
+        out.print(table)
+    out.print(
+        f"replayed {len(summaries)} points x {len(h.prompts)} prompts in {replay_s:.2f} s "
+        f"({replay_cpu_s:.2f} s CPU; tree backend {backend()}; measured)"
+    )
     limited = [s for s in summaries if s.limited_steps]
     if limited:
-        console.print(
-            f"[yellow]budgets above the trace's top-K ({h.top_k}): {len(limited)} point(s) had "
+        note(
+            f"warning: budgets above the trace's top-K ({h.top_k}): {len(limited)} point(s) had "
             "trees that reached the last stored rank and may differ from the engine's "
-            "(record with a larger --top-k)[/yellow]"
+            "(record with a larger `replay record --candidates`)"
         )
-    console.print(
-        f"replayed {len(summaries)} points x {len(h.prompts)} prompts in {replay_s:.2f} s "
-        f"({replay_cpu_s:.2f} s CPU; tree backend {backend()}; measured); wrote "
-        f"{len(records)} acceptance records to {path}"
-    )
+    note(f"wrote {len(records)} acceptance records to {path}")
     return 0
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from ddtree.commands._args import int_list, positive_int, seed
+from ddtree.commands._args import add_json_argument, int_list, positive_int, seed
+from ddtree.commands.estimate import add_oversubscribe_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,9 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--samples", type=positive_int, default=4000, help="Monte Carlo samples per point"
     )
-    p.add_argument("--seed", type=seed, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument("--seed", type=seed, default=0, help="Monte Carlo seed")
+    add_json_argument(p)
     p.add_argument("--report", metavar="DIR", help="write tune.md and tune_tokens_vs_budget.png")
+    add_oversubscribe_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,27 +58,49 @@ def run(args: argparse.Namespace) -> int:
     hardware = [h for h in args.hardware.split(",") if h]
     if not hardware:
         raise ValueError("--hardware: expected at least one hardware key")
-    sf = load(args.scenario, args.records)
+    sf = load(args.scenario, args.records, args.allow_oversubscribe)
     measured = choose_trace(read_acceptance(args.acceptance), args.trace, "--acceptance")
     train = args.train_budgets or []
     anchors = training_anchors(sf.anchors, train) if train else sf.anchors
     cal = calibrate(anchors, sf.specs, sf.fixed)
     curves = tune(sf, cal, hardware, measured, args.samples, args.seed)
+    for note in sf.notes:  # the file's, and the physics warnings of the points swept
+        print(f"note: {note}", file=sys.stderr)
+    warnings = [w for w in (records_warning(sf, measured),) if w]
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     check = None
     if train and "this-machine" in hardware:
         check = held_out(curves, sf.anchors, "this-machine", train)
     if args.report:
-        for path in write_report(curves, check, Path(args.report)):
-            print(f"wrote {path}")
-    if args.json:
-        print(json.dumps(to_json(curves, check, measured[0].trace)))
-        return 0
-    from rich.console import Console
+        from ddtree.commands._output import note
 
-    console = Console()
+        for path in write_report(curves, check, Path(args.report), sf.anchors):
+            note(f"wrote {path}")
+    if args.json:
+        print(json.dumps({**to_json(curves, check, measured[0].trace), "warnings": warnings}))
+        return 0
+    from ddtree.commands._output import console
+
+    out = console()
     for part in tune_text(curves, check, measured[0]):
-        console.print(part, markup=False, highlight=False)
+        out.print(part, markup=False, highlight=False)
     return 0
+
+
+def records_warning(sf, measured) -> str | None:
+    """One line when the engine runs, the bandwidth record and the trace's acceptance records
+    tune combines differ in workload or setup."""
+    from ddtree.perf.consistency import mismatch_warning
+    from ddtree.records import BenchBandwidth, EngineRun
+
+    used = [(r.kind, r) for r in sf.measurements if isinstance(r, (EngineRun, BenchBandwidth))]
+    used += [("acceptance", m.record) for m in measured if m.record is not None]
+    return mismatch_warning(
+        "the records tune combines", used,
+        "the calibration, this machine's bandwidth and the replayed tau describe different "
+        "runs (and the held-out check compares them)",
+    )  # fmt: skip
 
 
 def _band(d: dict[int, float]) -> str:
@@ -198,39 +223,15 @@ def to_json(curves, check, trace: str) -> dict:
     return out
 
 
-def write_report(curves, check, out: Path) -> list[Path]:
-    """tune_tokens_vs_budget.png (one line per hardware and policy, p10-p90 band, best
-    marked) and tune.md (the tables as Markdown)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def write_report(curves, check, out: Path, anchors=()) -> list[Path]:
+    """tune_tokens_vs_budget.png (``ddtree.perf.plots.tune_figure``: tokens/s per hardware
+    and policy with the measured engine runs, tau below) and tune.md (the tables), each
+    written whole or not at all."""
+    from ddtree.files import replace_atomically
+    from ddtree.perf import plots
 
     out.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    for c in curves:
-        budgets = [p.budget for p in c.points]
-        p50 = [p.tokens_per_s[50] for p in c.points]
-        label = f"{c.hardware} {c.policy}"
-        (line,) = ax.plot(budgets, p50, marker="o" if len(budgets) > 1 else "s", label=label)
-        ax.fill_between(
-            budgets,
-            [p.tokens_per_s[10] for p in c.points],
-            [p.tokens_per_s[90] for p in c.points],
-            color=line.get_color(),
-            alpha=0.15,
-        )
-        ax.plot([c.best.budget], [c.best.tokens_per_s[50]], "*", ms=14, color=line.get_color())
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("budget N (non-root tree nodes)")
-    ax.set_ylabel("tokens/s (p50, band p10-p90)")
-    ax.set_title("tokens/s vs budget per hardware (measured tau, modelled step)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    png = out / "tune_tokens_vs_budget.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    png = plots.save(plots.tune_figure(curves, anchors), out / "tune_tokens_vs_budget.png")
     md = ["# ddtree tune", "", "![tokens/s vs budget](tune_tokens_vs_budget.png)", ""]
     for c in curves:
         md += [f"## {c.hardware}: {c.policy}, block {c.block_size}", ""]
@@ -247,5 +248,6 @@ def write_report(curves, check, out: Path) -> list[Path]:
                f"N={check.measured_best}, predicted best N={check.predicted_best}, flat region "
                f"{check.predicted_flat}.", ""]  # fmt: skip
     report = out / "tune.md"
-    report.write_text("\n".join(md))
+    with replace_atomically(report) as partial:
+        partial.write_text("\n".join(md))
     return [png, report]

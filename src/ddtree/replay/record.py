@@ -1,8 +1,8 @@
 """Record a trace: the target's greedy pass, then the drafter's top-K at every root.
 
-Per prompt: one autoregressive greedy pass of the target (the engine's ``ar`` calls: prefill,
-then one single-node verify per token) that also captures the hidden states the drafter
-conditions on; then the drafter drafts every root position of the continuation at once,
+Per prompt: one autoregressive greedy pass of the target (``ddtree.engine.generate`` under
+``ar``, the target wrapped so that it also keeps the hidden states the drafter conditions on
+of every committed token); then the drafter drafts every root position of the continuation at once,
 ``roots_per_forward`` blocks per forward (:meth:`DFlashDrafter.propose_at`), and
 ``ddtree.tree.topk_logprobs`` keeps the K best per depth. The drafting costs a fraction of the
 greedy pass: recording costs about one AR generation of the same tokens (measured in the
@@ -12,15 +12,14 @@ README), where drafting each position from scratch would cost a drafter forward 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ddtree import tree as tree_core
-from ddtree.engine.policies import root_tree
-from ddtree.engine.stop import StopCondition
-from ddtree.replay.trace import ModelStamp, PromptInfo, Trace, TraceHeader
+from ddtree.engine import DecodeConfig, generate, prompt_tensor
+from ddtree.replay.trace import ModelStamp, PromptInfo, Trace, TraceHeader, merge_traces
 
 DEFAULT_TOP_K = 1024  # candidates per depth: enough for any budget up to 1024
 # Per recording forward: logit elements (R blocks x (B-1) x V) and attention scores
@@ -37,28 +36,48 @@ class GreedyPass:
     stop_reason: str  # "max_new_tokens" | "eos"
 
 
+class CommittedHidden:
+    """A target that keeps the hidden states of layers ``capture`` (HF indexing) of every
+    token it commits (``hidden``: one [t, F] tensor per prefill or commit, in order); every
+    other attribute is the wrapped target's."""
+
+    def __init__(self, target, capture: list[int]) -> None:
+        self.target, self.capture = target, capture
+        self.hidden: list[torch.Tensor] = []
+        self._verified: torch.Tensor | None = None  # [M, F] of the last verify
+
+    def __getattr__(self, name: str):
+        return getattr(self.target, name)
+
+    def set_capture_layers(self, layer_ids: list[int]) -> None:
+        self.target.set_capture_layers(self.capture)
+
+    def prefill(self, input_ids: torch.Tensor):
+        out = self.target.prefill(input_ids)
+        self.hidden.append(out.hidden)
+        return out
+
+    def verify(self, tree, layout=None):
+        out = self.target.verify(tree, layout)
+        self._verified = out.hidden
+        return out
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        self.target.commit(accepted)
+        self.hidden.append(self._verified.index_select(0, accepted.to(self._verified.device)))
+
+
 @torch.inference_mode()
 def greedy_pass(
     target, prompt: torch.Tensor, max_new_tokens: int, eos: set[int], capture: list[int]
 ) -> GreedyPass:
-    """The target's greedy continuation of ``prompt`` [T] int64 (stopping as the engine does:
-    ``ddtree.engine.stop``), with the hidden states of layers ``capture`` (HF indexing) for
-    every token it was fed."""
-    stop_condition = StopCondition(max_new_tokens, frozenset(eos))
-    target.reset()
-    target.set_capture_layers(capture)
-    device = getattr(target, "device", "cpu")
-    out = target.prefill(prompt.to(device))
-    hidden = [out.hidden]
-    new = [int(out.logits[-1].argmax())]
-    stop = stop_condition.scan(new, 0)
-    while stop is None:
-        out = target.verify(root_tree(new[-1], device))
-        target.commit(torch.zeros(1, dtype=torch.int64, device=device))
-        hidden.append(out.hidden)
-        new.append(int(out.logits[-1].argmax()))
-        stop = stop_condition.scan(new, len(new) - 1)
-    return GreedyPass(new, torch.cat(hidden), stop)
+    """The target's greedy continuation of ``prompt`` [T] int64, decoded by the engine under
+    ``ar`` (so it stops as the engine does), with the hidden states of layers ``capture`` (HF
+    indexing) for every token it was fed."""
+    recorder = CommittedHidden(target, capture)
+    config = DecodeConfig("ar", max_new_tokens=max_new_tokens, eos_token_ids=tuple(sorted(eos)))
+    out = generate(recorder, None, prompt, config)
+    return GreedyPass(out.tokens, torch.cat(recorder.hidden), out.stop_reason)
 
 
 def roots_per_forward(block_size: int, vocab_size: int, context: int = 0, heads: int = 1) -> int:
@@ -96,7 +115,7 @@ def draft_all_roots(drafter, sequence: torch.Tensor, hidden: torch.Tensor, first
     return torch.cat(logprobs), torch.cat(tokens)
 
 
-def record_trace(
+def record_prompts(
     target,
     drafter,
     prompts: Sequence[Sequence[int]],
@@ -106,10 +125,10 @@ def record_trace(
     drafter_stamp: ModelStamp | None = None,
     texts: Sequence[str] | None = None,
     eos_token_ids: Sequence[int] | None = None,
-    on_prompt: Callable[[int, int], None] | None = None,
-) -> Trace:
-    """Record one trace over ``prompts`` (token ids). ``top_k`` is capped at the vocabulary;
-    ``eos_token_ids`` None: the target's. ``on_prompt(index, new_tokens)`` after each prompt."""
+) -> Iterator[Trace]:
+    """Record ``prompts`` (token ids) one by one, yielding each prompt's trace as it is done
+    (``merge_traces`` joins them into one; a caller that stops early keeps the finished
+    ones). ``top_k`` is capped at the vocabulary; ``eos_token_ids`` None: the target's."""
     from ddtree.replay.trace import model_stamp
 
     if max_new_tokens < 1:
@@ -122,11 +141,13 @@ def record_trace(
     k = min(top_k, vocab)
     eos = set(target.info.eos_token_ids if eos_token_ids is None else eos_token_ids)
     limit = target.info.max_position
-    sequences, logprobs, tokens, infos = [], [], [], []
+    target_stamp = target_stamp or model_stamp(target.info, None)
+    drafter_stamp = drafter_stamp or model_stamp(drafter.info, None)
     for i, ids in enumerate(prompts):
-        prompt = torch.as_tensor(list(ids), dtype=torch.int64)  # [T]
-        if prompt.numel() == 0:
-            raise ValueError(f"prompt {i} is empty: give at least one token")
+        try:
+            prompt = prompt_tensor(ids)  # [T] int64
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
         needed = int(prompt.numel()) + max_new_tokens + drafter.block_size
         if limit and needed > limit:
             raise ValueError(
@@ -140,25 +161,45 @@ def record_trace(
         sequence = torch.cat([prompt, torch.tensor(run.new_tokens, dtype=torch.int64)])
         lp, tok = draft_all_roots(drafter, sequence, run.hidden, int(prompt.numel()), k)
         t2 = time.perf_counter()
-        sequences.append(sequence)
-        logprobs.append(lp)
-        tokens.append(tok)
         text = texts[i] if texts is not None else ""
-        infos.append(
-            PromptInfo(
-                int(prompt.numel()), len(run.new_tokens), run.stop_reason, text, t1 - t0, t2 - t1
-            )
+        info = PromptInfo(
+            int(prompt.numel()), len(run.new_tokens), run.stop_reason, text, t1 - t0, t2 - t1
         )
+        header = TraceHeader(
+            target=target_stamp,
+            drafter=drafter_stamp,
+            block_size=int(drafter.block_size),
+            top_k=k,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=sorted(eos),
+            prompts=[info],
+            device=str(getattr(target, "device", "cpu")),
+        )
+        yield Trace(header, sequence, lp, tok)
+
+
+def record_trace(
+    target,
+    drafter,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    top_k: int = DEFAULT_TOP_K,
+    target_stamp: ModelStamp | None = None,
+    drafter_stamp: ModelStamp | None = None,
+    texts: Sequence[str] | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    on_prompt: Callable[[int, int], None] | None = None,
+) -> Trace:
+    """One trace over ``prompts`` (``record_prompts``, joined); ``on_prompt(index,
+    new_tokens)`` after each prompt."""
+    traces = []
+    for i, trace in enumerate(
+        record_prompts(
+            target, drafter, prompts, max_new_tokens, top_k, target_stamp, drafter_stamp,
+            texts, eos_token_ids,
+        )
+    ):  # fmt: skip
+        traces.append(trace)
         if on_prompt is not None:
-            on_prompt(i, len(run.new_tokens))
-    header = TraceHeader(
-        target=target_stamp or model_stamp(target.info, None),
-        drafter=drafter_stamp or model_stamp(drafter.info, None),
-        block_size=int(drafter.block_size),
-        top_k=k,
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=sorted(eos),
-        prompts=infos,
-        device=str(getattr(target, "device", "cpu")),
-    )
-    return Trace(header, torch.cat(sequences), torch.cat(logprobs), torch.cat(tokens))
+            on_prompt(i, trace.header.prompts[0].new_tokens)
+    return merge_traces(traces)

@@ -32,10 +32,8 @@ import numpy as np
 import torch
 
 from ddtree import tree as tree_core
-from ddtree.engine.policies import Policy, get_policy
 from ddtree.replay.trace import Trace
-
-REPLAY_POLICIES = ("chain", "ddtree")
+from ddtree.vocab import POLICIES, Drafting, Policy, get_policy
 
 
 @dataclass
@@ -53,11 +51,16 @@ class PromptReplay:
 
 
 def check_policy(name: str) -> Policy:
-    if name not in REPLAY_POLICIES:
+    """The policy ``name`` if a trace replays it: its drafter proposes every depth from one
+    block forward, whose per-depth candidates are what the trace stores (ar drafts nothing)."""
+    policy = get_policy(name)
+    if policy.drafting is not Drafting.BLOCK:
+        replayable = [n for n, p in POLICIES.items() if p.drafting is Drafting.BLOCK]
         raise ValueError(
-            f"policy {name!r}: replay takes {', '.join(REPLAY_POLICIES)} (ar commits 1 per step)"
+            f"policy {name!r}: replay takes {', '.join(replayable)} (policies that draft every "
+            "depth from one block forward, as the trace recorded it)"
         )
-    return get_policy(name)
+    return policy
 
 
 @dataclass
@@ -173,15 +176,15 @@ def replay_prompt(trace: Trace, index: int, policy: str, budget: int) -> PromptR
 def replay_points(
     trace: Trace, policies: Sequence[str], budgets: Sequence[int]
 ) -> list[tuple[str, int]]:
-    """The (policy, budget) points a sweep replays: chain once (its budget is B-1)."""
-    for name in policies:
-        check_policy(name)
+    """The (policy, budget) points a sweep replays: a policy whose tree N does not size (chain)
+    once, at its own budget (B-1)."""
+    rules = {name: check_policy(name) for name in policies}
     points = []
-    for name in dict.fromkeys(policies):
-        if name == "chain":
-            points.append((name, trace.header.block_size - 1))
-        else:
+    for name, policy in rules.items():
+        if policy.uses_budget:
             points.extend((name, int(n)) for n in dict.fromkeys(budgets))
+        else:
+            points.append((name, policy.budget(trace.header.block_size, 0)))
     return points
 
 

@@ -145,11 +145,12 @@ def acceptance_record(summary: TauSummary, header, trace_path: str = ""):
     """The ``acceptance`` record (``ddtree.records.Acceptance``) of one replayed point."""
     import dataclasses
 
-    from ddtree.records import Acceptance, HardwareInfo, Provenance
+    from ddtree.provenance import this_hardware, this_process
+    from ddtree.records import Acceptance
 
     return Acceptance(
-        hardware=HardwareInfo.collect(),
-        provenance=Provenance.here("ddtree replay tau"),
+        hardware=this_hardware(),
+        provenance=this_process("ddtree replay tau"),
         points=[
             {"steps": s, "tokens": t}
             for s, t in zip(summary.prompt_steps, summary.prompt_tokens, strict=True)
@@ -163,6 +164,7 @@ def acceptance_record(summary: TauSummary, header, trace_path: str = ""):
         drafter=dataclasses.asdict(header.drafter),
         top_k=header.top_k,
         max_new_tokens=header.max_new_tokens,
+        prompt_lengths=[p.prompt_tokens for p in header.prompts],
         mean_tau=summary.mean_tau,
         tau_low=summary.tau_low,
         tau_high=summary.tau_high,

@@ -1,4 +1,4 @@
-"""Traces: one recorded greedy pass, replayable for any budget (DESIGN.md: "trace").
+"""Traces: one recorded greedy pass, replayable for any budget.
 
 A trace holds, per prompt, the target's greedy continuation and, at every root position p of
 that continuation (the committed token a decode step would start from), the drafter's top-K
@@ -175,6 +175,33 @@ class Trace:
         return self._greedy_ranks
 
 
+def merge_traces(traces: list[Trace]) -> Trace:
+    """One trace of the prompts of ``traces``, in order (each recorded by the same models with
+    the same settings: the headers agree but for their prompts)."""
+    if not traces:
+        raise TraceError("no traces to merge")
+    first = traces[0].header
+
+    def settings(h: TraceHeader) -> dict:
+        d = dataclasses.asdict(h)
+        for name in ("prompts", "content_sha256", "ddtree_version"):
+            d.pop(name)
+        return d
+
+    for i, t in enumerate(traces[1:], 1):
+        if settings(t.header) != settings(first):
+            raise TraceError(f"trace {i} was recorded with other models or settings than trace 0")
+    header = dataclasses.replace(
+        first, prompts=[p for t in traces for p in t.header.prompts], content_sha256=""
+    )
+    return Trace(
+        header,
+        torch.cat([t.tokens for t in traces]),
+        torch.cat([t.topk_logprobs for t in traces]),
+        torch.cat([t.topk_tokens for t in traces]),
+    )
+
+
 def _content_sha256(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in TENSORS:
@@ -183,15 +210,17 @@ def _content_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
-    """Write ``trace`` to ``path`` atomically (a temporary file in the same folder, then a
-    rename): an interrupted save leaves no half-written trace under the final name."""
-    from safetensors.torch import save_file
+TRACE_FILE = "a trace file (.safetensors) or a new file's path"
 
+
+def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
+    """Write ``trace`` to ``path`` atomically (``ddtree.files.replace_atomically``: a
+    temporary file in the same folder, then a rename): an interrupted or failed save leaves
+    no half-written trace under the final name and the old file, if any, as it was."""
     from ddtree import __version__
+    from ddtree.files import replace_atomically, write_safetensors
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {
         "tokens": trace.tokens.to(torch.int64).contiguous(),
         "topk_logprobs": trace.topk_logprobs.to(torch.float32).contiguous(),
@@ -199,12 +228,8 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
     }
     trace.header.content_sha256 = _content_sha256(tensors)
     trace.header.ddtree_version = __version__
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        save_file(tensors, str(partial), metadata={HEADER_KEY: trace.header.to_json()})
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    with replace_atomically(path, TRACE_FILE) as partial:
+        write_safetensors(tensors, partial, metadata={HEADER_KEY: trace.header.to_json()})
     return path
 
 

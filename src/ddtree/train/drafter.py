@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ddtree.files import publish, replace_atomically, staging_folder
 from ddtree.train.config import DrafterTrainConfig
 from ddtree.train.corpus import (
     encode_stream,
@@ -29,8 +29,9 @@ from ddtree.train.corpus import (
     read_texts,
 )
 from ddtree.train.data import SEQUENCES_FILE, build_sequences, load_sequences, save_sequences
-from ddtree.train.progress import log_interval, train_progress
-from ddtree.train.state import TrainState, load_checkpoint, lr_at, save_checkpoint
+from ddtree.train.loop import adamw, train_steps
+from ddtree.train.progress import train_progress
+from ddtree.train.state import TrainState, load_checkpoint
 from ddtree.train.tokenizer import EOS_TOKEN, MASK_TOKEN, load_tokenizer, special_id
 
 EXPORT_DTYPE = torch.bfloat16
@@ -176,16 +177,7 @@ def train_drafter(
         torch.manual_seed(cfg.seed)
         model = DFlashModel(drafter_config(shape, target.config, mask_id)).float().train()
         _init_weights(model)
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-        )
+        opt = adamw(model, cfg.lr, cfg.weight_decay)
         run_config = {"train": asdict(cfg), "shape": asdict(shape), "target": str(target_dir)}
         run_config["shape"]["target_layer_ids"] = list(shape.target_layer_ids)
         state = load_checkpoint(out, model, opt, run_config) if resume else TrainState()
@@ -193,42 +185,21 @@ def train_drafter(
         weights = position_weights(shape.block_size, cfg.loss_gamma)
         n_seq, seq_len = sequences.shape
         first_anchor, last_anchor = prompt_len - 1, seq_len - shape.block_size
-        interval: list[tuple[float, float]] = []
-        t0 = time.perf_counter() - state.elapsed_s
-        task = bar.add_task("drafter", total=cfg.steps, completed=state.step, loss="-", rate="")
-        while state.step < min(cfg.steps, stop_at or cfg.steps):
-            step = state.step
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps)
+
+        def anchored_loss(step: int) -> tuple[torch.Tensor, float]:
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
             rows = torch.randint(0, n_seq, (cfg.seqs_per_step,), generator=gen)
             anchors = torch.randint(
                 first_anchor, last_anchor + 1, (cfg.anchors_per_step,), generator=gen
             ).tolist()
-            loss, acc = step_loss(
+            return step_loss(
                 model, target, sequences[rows], hidden[rows], anchors, mask_id, weights
             )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            interval.append((float(loss.detach()), acc))
-            state.step += 1
-            if state.step % cfg.log_every == 0 or state.step in (cfg.steps, stop_at):
-                state.losses.append(sum(x for x, _ in interval) / len(interval))
-                mean_acc = sum(a for _, a in interval) / len(interval)
-                interval.clear()
-                state.elapsed_s = time.perf_counter() - t0
-                bar.update(task, loss=f"{state.losses[-1]:.3f}", rate=f"acc@1 {mean_acc:.2f}")
-                log_interval(
-                    bar,
-                    f"drafter step {state.step}/{cfg.steps} loss {state.losses[-1]:.3f} "
-                    f"acc@1 {mean_acc:.3f} {state.elapsed_s:.0f} s",
-                )
-            if state.step % cfg.save_every == 0 or state.step in (cfg.steps, stop_at):
-                state.elapsed_s = time.perf_counter() - t0
-                save_checkpoint(out, model, opt, state, run_config)
-            bar.update(task, completed=state.step)
+
+        train_steps(
+            "drafter", model, opt, cfg, state, (out, run_config), bar, anchored_loss,
+            lambda _state, acc: f"acc@1 {acc:.3f}", stop_at,
+        )  # fmt: skip
 
     n_params = sum(p.numel() for p in model.parameters())
     if state.step < cfg.steps:
@@ -243,7 +214,8 @@ def train_drafter(
         "elapsed_s": state.elapsed_s,
         "mean_tau": mean_tau,
     }
-    (out / "train_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    with replace_atomically(out / "train_meta.json") as partial:
+        partial.write_text(json.dumps(meta, indent=1) + "\n")
     return DrafterTrainResult(out, state.step, state.losses, state.elapsed_s, n_params, mean_tau)
 
 
@@ -255,7 +227,9 @@ def export_drafter(model, target, out: Path) -> None:
 
     export = copy.deepcopy(model).to(EXPORT_DTYPE)
     drafter = DFlashDrafter(export, target.get_input_embeddings(), target.get_output_embeddings())
-    drafter.save_pretrained(out)
+    with staging_folder(out) as stage:  # both files in place together, or none of the new
+        drafter.save_pretrained(stage)
+        publish(stage, Path(out))
 
 
 def evaluate_drafter(target_dir, drafter_dir, cfg: DrafterTrainConfig, split, tok, eos_id) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -13,6 +14,7 @@ from rich.progress import (
 
 
 def train_progress(disable: bool = False) -> Progress:
+    """On stderr: stdout holds the command's result line."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -22,6 +24,7 @@ def train_progress(disable: bool = False) -> Progress:
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         disable=disable,
+        console=Console(stderr=True),
     )
 
 

@@ -16,13 +16,22 @@ from ddtree.train.corpus import list_corpus, read_texts
 
 
 def heldout_text_prompts(n: int = 16, lines: int = 6, seed: int = 0) -> list[str]:
-    """``n`` prompts of ``lines`` source lines from distinct held-out files (deterministic).
-    Snippets that also occur verbatim in a training file (shared boilerplate) are skipped."""
+    """``n`` prompts of ``lines`` source lines from distinct held-out files of the corpus
+    (deterministic): :func:`text_prompts` of its held-out and training texts."""
     split = list_corpus()
-    seen_in_training = "\0".join(read_texts(split.train))
+    return text_prompts(read_texts(split.heldout), read_texts(split.train), n, lines, seed)
+
+
+def text_prompts(
+    heldout: list[str], train: list[str], n: int = 16, lines: int = 6, seed: int = 0
+) -> list[str]:
+    """``n`` snippets of ``lines`` lines, each starting at a ``def``/``class`` line, from
+    distinct ``heldout`` texts (one drawn per text, then shuffled, by ``seed``). Snippets
+    that also occur verbatim in a ``train`` text (shared boilerplate) are skipped."""
+    seen_in_training = "\0".join(train)
     rng = random.Random(seed)
     prompts = []
-    for text in read_texts(split.heldout):
+    for text in heldout:
         rows = text.splitlines(keepends=True)
         starts = [i for i, r in enumerate(rows) if r.lstrip().startswith(("def ", "class "))]
         snippets = ["".join(rows[i : i + lines]) for i in starts if i + lines <= len(rows)]

@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
+
+from ddtree.files import replace_atomically, write_safetensors
+from ddtree.signals import deferred
 
 CHECKPOINT_DIR = "checkpoint"
 # config fields a resumed run may change: train longer (the cosine schedule stretches), log
@@ -32,10 +35,11 @@ class TrainState:
 def save_checkpoint(
     out: Path, model: nn.Module, opt: torch.optim.AdamW, state: TrainState, config: dict
 ) -> None:
+    """Write ``<out>/checkpoint``: each file to a temporary one, then the three renamed into
+    place together (``state.json`` last) in a section a signal waits for; a save that fails
+    (a full disk) leaves the previous checkpoint as it was and says so."""
     ckpt = Path(out) / CHECKPOINT_DIR
-    ckpt.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(ckpt / "model.safetensors.tmp"))
     names = {id(p): n for n, p in model.named_parameters()}
     moments: dict[str, torch.Tensor] = {}
     opt_step = 0
@@ -47,7 +51,6 @@ def save_checkpoint(
             moments[f"{names[id(p)]}.exp_avg"] = s["exp_avg"].contiguous()
             moments[f"{names[id(p)]}.exp_avg_sq"] = s["exp_avg_sq"].contiguous()
             opt_step = int(s["step"])
-    save_file(moments, str(ckpt / "optimizer.safetensors.tmp"))
     meta = {
         "step": state.step,
         "optimizer_step": opt_step,
@@ -55,9 +58,23 @@ def save_checkpoint(
         "elapsed_s": state.elapsed_s,
         "config": config,
     }
-    (ckpt / "state.json.tmp").write_text(json.dumps(meta, indent=1) + "\n")
-    for name in ("model.safetensors", "optimizer.safetensors", "state.json"):  # replace together
-        (ckpt / f"{name}.tmp").replace(ckpt / name)
+    with (
+        deferred(),
+        replace_atomically(ckpt / "state.json") as meta_file,
+        replace_atomically(ckpt / "optimizer.safetensors") as optimizer_file,
+        replace_atomically(ckpt / "model.safetensors") as model_file,
+    ):  # renamed in reverse: model, optimizer, then state.json
+        write_safetensors(tensors, model_file)
+        write_safetensors(moments, optimizer_file)
+        meta_file.write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def checkpoint_step(out: Path) -> int | None:
+    """The step of ``<out>/checkpoint``, None without a readable one."""
+    try:
+        return int(json.loads((Path(out) / CHECKPOINT_DIR / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def load_checkpoint(

@@ -10,12 +10,12 @@ step each expert's bias moves by ``bias_update_rate`` towards the mean load
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from ddtree.files import publish, staging_folder
 from ddtree.train.config import TargetTrainConfig
 from ddtree.train.corpus import (
     corpus_fingerprint,
@@ -24,8 +24,9 @@ from ddtree.train.corpus import (
     read_texts,
     sample_windows,
 )
-from ddtree.train.progress import log_interval, train_progress
-from ddtree.train.state import TrainState, load_checkpoint, lr_at, save_checkpoint
+from ddtree.train.loop import adamw, train_steps
+from ddtree.train.progress import train_progress
+from ddtree.train.state import TrainState, load_checkpoint
 from ddtree.train.tokenizer import (
     EOS_TOKEN,
     load_tokenizer,
@@ -147,57 +148,25 @@ def train_target(
     config._attn_implementation = "sdpa"
     model = DeepseekV3ForCausalLM(config).float().train()
     counter = _LoadCounter(model)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "gate.weight" not in n]
-    no_decay = [
-        p for n, p in model.named_parameters() if not (p.dim() >= 2 and "gate.weight" not in n)
-    ]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
+    # the router's weight is a matrix that is not decayed (its bias is balanced by load)
+    opt = adamw(model, cfg.lr, cfg.weight_decay, decays=lambda name: "gate.weight" not in name)
     run_config = {"train": asdict(cfg), "shape": asdict(shape), "corpus": corpus_fingerprint(split)}
     state = load_checkpoint(out, model, opt, run_config) if resume else TrainState()
 
-    interval: list[float] = []
-    t0 = time.perf_counter() - state.elapsed_s
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    def step_loss(step: int) -> tuple[torch.Tensor, float]:
+        batch = sample_windows(stream, cfg.batch_size, cfg.seq_len + 1, cfg.seed * 1_000_003 + step)
+        # labels are shifted inside the model: position t predicts token t+1
+        return model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss, 0.0
+
+    def tokens_per_s(state: TrainState, _metric: float) -> str:
+        rate = cfg.batch_size * cfg.seq_len * state.step / max(state.elapsed_s, 1e-9)
+        return f"{rate:.0f} tok/s"
+
     with train_progress(disable=not show_progress) as bar:
-        task = bar.add_task("target", total=cfg.steps, completed=state.step, loss="-", rate="")
-        while state.step < min(cfg.steps, stop_at or cfg.steps):
-            step = state.step
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps)
-            batch = sample_windows(
-                stream, cfg.batch_size, cfg.seq_len + 1, cfg.seed * 1_000_003 + step
-            )
-            loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss
-            # labels are shifted inside the model: position t predicts token t+1
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            counter.update_bias(cfg.bias_update_rate)
-            interval.append(float(loss.detach()))
-            state.step += 1
-            if state.step % cfg.log_every == 0 or state.step == cfg.steps:
-                state.losses.append(sum(interval) / len(interval))
-                interval.clear()
-                state.elapsed_s = time.perf_counter() - t0
-                rate = tokens_per_step * state.step / max(state.elapsed_s, 1e-9)
-                bar.update(task, loss=f"{state.losses[-1]:.3f}", rate=f"{rate:.0f} tok/s")
-                log_interval(
-                    bar,
-                    f"target step {state.step}/{cfg.steps} loss {state.losses[-1]:.3f} "
-                    f"{rate:.0f} tok/s {state.elapsed_s:.0f} s",
-                )
-            if state.step % cfg.save_every == 0 or state.step in (cfg.steps, stop_at):
-                state.elapsed_s = time.perf_counter() - t0
-                save_checkpoint(out, model, opt, state, run_config)
-            bar.update(task, completed=state.step)
+        train_steps(
+            "target", model, opt, cfg, state, (out, run_config), bar, step_loss, tokens_per_s,
+            stop_at, after_step=lambda: counter.update_bias(cfg.bias_update_rate),
+        )  # fmt: skip
 
     model.eval()
     if state.step < cfg.steps:  # stopped early: the checkpoint is the result
@@ -234,5 +203,7 @@ def export_target(model, out: Path, meta: dict) -> None:
         if name.endswith("mlp.gate"):
             module.float()
     export.config.architectures = ["DeepseekV3ForCausalLM"]
-    export.save_pretrained(str(out))
-    (Path(out) / "train_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    with staging_folder(out) as stage:  # all files in place together, or none of the new
+        export.save_pretrained(str(stage))
+        (stage / "train_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        publish(stage, Path(out))

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ddtree.files import replace_atomically
+
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN)  # ids 0 and 1
@@ -35,8 +37,8 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 def save_tokenizer(tok: Tokenizer, out: Path) -> None:
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    with replace_atomically(out / "tokenizer.json") as partial:
+        tok.save(str(partial))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS_TOKEN,
@@ -44,7 +46,8 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
         "model_max_length": 2048,
         "clean_up_tokenization_spaces": False,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with replace_atomically(out / "tokenizer_config.json") as partial:
+        partial.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
