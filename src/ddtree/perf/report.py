@@ -273,7 +273,16 @@ def to_json(est: Estimate) -> str:
 
 def explain(est: Estimate) -> str:
     """The chain of reasoning, every number labelled measured / catalog / derived / assumed."""
-    sf, c = est.scenario, est.calibration
+    out = _model_lines(est) + [""] + _anchor_lines(est) + [""] + profile_lines(est) + [""]
+    out += _calibration_lines(est)
+    for r in est.results:
+        out += ["", *_case_lines(est, r)]
+    return "\n".join(out)
+
+
+def _model_lines(est: Estimate) -> list[str]:
+    """The scenario's title, notes, the model's derived sizes and the drafter."""
+    sf = est.scenario
     m = sf.model
     out = [f"# {sf.title}", "", *(f"note: {n}" for n in sf.notes)]
     out.append(f"model {m.name}: {m.source or 'preset'}")
@@ -291,8 +300,13 @@ def explain(est: Estimate) -> str:
             f"drafter: {d.params / 1e9:.2g} B params, {d.layers} layers, {d.precision} "
             f"[assumed: {d.source or 'typed in'}]"
         )
-    out.append("")
-    out.append("anchors [measured]:")
+    return out
+
+
+def _anchor_lines(est: Estimate) -> list[str]:
+    """Each anchor and what it measured [measured]."""
+    sf = est.scenario
+    out = ["anchors [measured]:"]
     for a in sf.anchors:
         if isinstance(a, StepAnchor) and a.e2e:
             fig = a.metric
@@ -326,12 +340,13 @@ def explain(est: Estimate) -> str:
                 f"  {a.name}: routed MoE layer at M={a.m} (TP {a.tp}) on {a.hardware.key}: "
                 f"{_ms(a.s_per_layer)}  ({a.source})"
             )
-    out.append("")
-    out += profile_lines(est)
-    out.append("")
-    out.append(
-        "calibrated parameters (MAP fit, log-normal priors; 'fitted' = anchors narrowed it):"
-    )
+    return out
+
+
+def _calibration_lines(est: Estimate) -> list[str]:
+    """The calibrated parameters, with their priors, and the anchors' residuals."""
+    sf, c = est.scenario, est.calibration
+    out = ["calibrated parameters (MAP fit, log-normal priors; 'fitted' = anchors narrowed it):"]
     unused = unused_scopes(est)
     shown = [n for n in c.names if _scope(n, est) not in unused]
     for n in shown:
@@ -354,107 +369,108 @@ def explain(est: Estimate) -> str:
             f"  residual {res.anchor}: model {_ms(res.predicted)} vs measured "
             f"{_ms(res.measured)} ({res.rel_error:+.1%})"
         )
-    for r in est.results:
-        pt, hw = r.case.point, r.case.point.hardware
-        out += ["", f"## {r.case.name}", r.case.question]
-        out.append(f"hardware {hw.name}:")
-        for key, val, dim in (
-            ("hbm_bandwidth", hw.hbm_bytes_per_s, u.BANDWIDTH),
-            ("bf16_dense", hw.dense_flops.get("bf16", 0.0), u.FLOP_RATE),
-            ("link_bandwidth", hw.link_bytes_per_s, u.BANDWIDTH),
-            ("allreduce_latency", hw.allreduce_latency_s, u.TIME),
-        ):
-            prov = hw.provenance.get(key)
-            out.append(
-                f"  {key} = {u.format_quantity(val, dim)} [{prov.label() if prov else 'assumed'}]"
-            )
-        if pt.nodes > 1:
-            link = pt.inter_node
-            out.append(
-                f"  inter_node = {link.key}: {link.name}, "
-                f"{u.format_quantity(link.bytes_per_s, u.BANDWIDTH)} per GPU "
-                f"[{link.provenance['bandwidth'].label()}], all-reduce latency "
-                f"{u.format_quantity(link.allreduce_latency_s, u.TIME)} "
-                f"[{link.provenance['allreduce_latency'].label()}]; {pt.nodes} nodes of "
-                f"{pt.per_node} GPUs"
-            )
-        out.append(
-            f"deployment: {pt.tp} GPUs, {pt.deployment.name} [{pt.deployment.about}], "
-            f"C={pt.concurrency}, context {pt.context_tokens:.0f} tok, "
-            f"block {pt.block_size}, budget {pt.budget} -> M = N + 1 = {pt.verify_width} [derived]; "
-            f"engine {pt.engine} [{sf.engines[pt.engine].about or 'assumed'}]"
-        )
-        host = load_hosts()[pt.host_cpu]
-        speed = r.point_params.get(host.param, 1.0) if host.param else 1.0
-        state = "reference" if host.param is None else (
-            c.status(host.param) if host.param in c.names else "user"
-        )  # fmt: skip
-        out.append(
-            f"host CPU: {host.name}; speed {speed:.3g} x the reference host [{state}; prior "
-            f"{host.speed:g} in {host.low:g}..{host.high:g}, {host.provenance.label()}] divides "
-            "the framework overhead, host tree work and kernel launches"
-        )
-        out.append(
-            f"memory per GPU: {memory_per_gpu(m, pt).describe()} of "
-            f"{u.format_quantity(hw.memory_bytes, u.BYTES)} [derived; runtime reserve assumed]"
-        )
-        out.append(f"tau = {_tau(r.case.tau)} [{r.case.tau_source or 'assumed: scenario input'}]")
-        if m.n_routed_experts:
-            from ddtree.perf.cost import experts_touched
+    return out
 
-            e = float(
-                experts_touched(m.n_routed_experts, m.top_k, pt.verify_width * pt.concurrency)
-            )
-            out.append(
-                f"experts touched per layer = E(1-(1-k/E)^(M*C)) = {m.n_routed_experts}"
-                f"(1-(1-{m.top_k}/{m.n_routed_experts})^{pt.verify_width * pt.concurrency}) = "
-                f"{e:.1f} [derived, uniform routing]"
-            )
-        launch = r.point_params[f"{pt.engine}.launch"]
-        step = float(r.point.step_s)
-        for comp in r.point.components:
-            s = float(comp.seconds)
-            out.append(
-                f"  {comp.name}: {_ms(s)} ({s / step:.0%}, {comp.bound}) [derived: {comp.formula}; "
-                f"{u.format_quantity(comp.hbm_bytes, u.BYTES)}/GPU, "
-                f"{comp.launches:.0f} launches x {u.format_quantity(launch, u.TIME)}; "
-                f"scales with {comp.rule}]"
-            )
+
+def _case_lines(est: Estimate, r: CaseResult) -> list[str]:
+    """One case: hardware, deployment, the step by component, bands, limit, sensitivity."""
+    sf, c, m = est.scenario, est.calibration, est.scenario.model
+    pt, hw = r.case.point, r.case.point.hardware
+    out = [f"## {r.case.name}", r.case.question, f"hardware {hw.name}:"]
+    for key, val, dim in (
+        ("hbm_bandwidth", hw.hbm_bytes_per_s, u.BANDWIDTH),
+        ("bf16_dense", hw.dense_flops.get("bf16", 0.0), u.FLOP_RATE),
+        ("link_bandwidth", hw.link_bytes_per_s, u.BANDWIDTH),
+        ("allreduce_latency", hw.allreduce_latency_s, u.TIME),
+    ):
+        prov = hw.provenance.get(key)
         out.append(
-            f"step = sum = {_ms(step)}; tokens/s = C x tau / step = {pt.concurrency} x "
-            f"{r.point_tau:g} / {_ms(step)} = {pt.concurrency * r.point_tau / step:.0f} [derived]"
+            f"  {key} = {u.format_quantity(val, dim)} [{prov.label() if prov else 'assumed'}]"
         )
+    if pt.nodes > 1:
+        link = pt.inter_node
         out.append(
-            f"Monte Carlo ({r.samples} samples, seed {r.seed}; {r.posterior}): tokens/s p10/p50/p90 = "
-            f"{r.tokens_per_s[10]:.0f} / {r.tokens_per_s[50]:.0f} / {r.tokens_per_s[90]:.0f}"
+            f"  inter_node = {link.key}: {link.name}, "
+            f"{u.format_quantity(link.bytes_per_s, u.BANDWIDTH)} per GPU "
+            f"[{link.provenance['bandwidth'].label()}], all-reduce latency "
+            f"{u.format_quantity(link.allreduce_latency_s, u.TIME)} "
+            f"[{link.provenance['allreduce_latency'].label()}]; {pt.nodes} nodes of "
+            f"{pt.per_node} GPUs"
         )
-        out.append(f"  {_model_form(r)} [fitted]")
-        if r.speedup_vs_ar is not None:
-            out.append(
-                f"speedup vs AR = tok/s / tok/s of the ar step (M = 1, tau = 1, no drafter) "
-                f"with the same samples, p10/p50/p90 = {_speedup(r)} [derived] {_ar_note(r)}"
-            )
+    out.append(
+        f"deployment: {pt.tp} GPUs, {pt.deployment.name} [{pt.deployment.about}], "
+        f"C={pt.concurrency}, context {pt.context_tokens:.0f} tok, "
+        f"block {pt.block_size}, budget {pt.budget} -> M = N + 1 = {pt.verify_width} [derived]; "
+        f"engine {pt.engine} [{sf.engines[pt.engine].about or 'assumed'}]"
+    )
+    host = load_hosts()[pt.host_cpu]
+    speed = r.point_params.get(host.param, 1.0) if host.param else 1.0
+    state = "reference" if host.param is None else (
+        c.status(host.param) if host.param in c.names else "user"
+    )  # fmt: skip
+    out.append(
+        f"host CPU: {host.name}; speed {speed:.3g} x the reference host [{state}; prior "
+        f"{host.speed:g} in {host.low:g}..{host.high:g}, {host.provenance.label()}] divides "
+        "the framework overhead, host tree work and kernel launches"
+    )
+    out.append(
+        f"memory per GPU: {memory_per_gpu(m, pt).describe()} of "
+        f"{u.format_quantity(hw.memory_bytes, u.BYTES)} [derived; runtime reserve assumed]"
+    )
+    out.append(f"tau = {_tau(r.case.tau)} [{r.case.tau_source or 'assumed: scenario input'}]")
+    if m.n_routed_experts:
+        from ddtree.perf.cost import experts_touched
+
+        e = float(experts_touched(m.n_routed_experts, m.top_k, pt.verify_width * pt.concurrency))
         out.append(
-            f"physical limit = {u.format_quantity(r.point.hbm_bytes, u.BYTES)} per GPU / "
-            f"{u.format_quantity(hw.hbm_bytes_per_s, u.BANDWIDTH)} = {_ms(r.amdahl.limit_step_s)}"
-            f" -> {r.amdahl.limit_tokens_per_s:.0f} tok/s [derived]; this projection is "
-            f"{r.amdahl.fraction_of_limit:.0%} of it; {r.amdahl.statement}"
+            f"experts touched per layer = E(1-(1-k/E)^(M*C)) = {m.n_routed_experts}"
+            f"(1-(1-{m.top_k}/{m.n_routed_experts})^{pt.verify_width * pt.concurrency}) = "
+            f"{e:.1f} [derived, uniform routing]"
         )
-        shares = ", ".join(f"{LIMITS[k]} {v:.0%}" for k, v in r.amdahl.shares.items() if v >= 0.005)
-        out.append(f"the step by what bounds it: {shares} [derived]; binds: {r.amdahl.binds}")
-        if r.tornado:
-            out.append(
-                "moves it most (one input at its p10 and p90, the others at the point): "
-                + ", ".join(
-                    f"{b.input} ({_tps(b.tokens_per_s_at_low)}..{_tps(b.tokens_per_s_at_high)} "
-                    "tok/s)"
-                    for b in r.tornado[:4]
-                )
+    launch = r.point_params[f"{pt.engine}.launch"]
+    step = float(r.point.step_s)
+    for comp in r.point.components:
+        s = float(comp.seconds)
+        out.append(
+            f"  {comp.name}: {_ms(s)} ({s / step:.0%}, {comp.bound}) [derived: {comp.formula}; "
+            f"{u.format_quantity(comp.hbm_bytes, u.BYTES)}/GPU, "
+            f"{comp.launches:.0f} launches x {u.format_quantity(launch, u.TIME)}; "
+            f"scales with {comp.rule}]"
+        )
+    out.append(
+        f"step = sum = {_ms(step)}; tokens/s = C x tau / step = {pt.concurrency} x "
+        f"{r.point_tau:g} / {_ms(step)} = {pt.concurrency * r.point_tau / step:.0f} [derived]"
+    )
+    out.append(
+        f"Monte Carlo ({r.samples} samples, seed {r.seed}; {r.posterior}): tokens/s p10/p50/p90 = "
+        f"{r.tokens_per_s[10]:.0f} / {r.tokens_per_s[50]:.0f} / {r.tokens_per_s[90]:.0f}"
+    )
+    out.append(f"  {_model_form(r)} [fitted]")
+    if r.speedup_vs_ar is not None:
+        out.append(
+            f"speedup vs AR = tok/s / tok/s of the ar step (M = 1, tau = 1, no drafter) "
+            f"with the same samples, p10/p50/p90 = {_speedup(r)} [derived] {_ar_note(r)}"
+        )
+    out.append(
+        f"physical limit = {u.format_quantity(r.point.hbm_bytes, u.BYTES)} per GPU / "
+        f"{u.format_quantity(hw.hbm_bytes_per_s, u.BANDWIDTH)} = {_ms(r.amdahl.limit_step_s)}"
+        f" -> {r.amdahl.limit_tokens_per_s:.0f} tok/s [derived]; this projection is "
+        f"{r.amdahl.fraction_of_limit:.0%} of it; {r.amdahl.statement}"
+    )
+    shares = ", ".join(f"{LIMITS[k]} {v:.0%}" for k, v in r.amdahl.shares.items() if v >= 0.005)
+    out.append(f"the step by what bounds it: {shares} [derived]; binds: {r.amdahl.binds}")
+    if r.tornado:
+        out.append(
+            "moves it most (one input at its p10 and p90, the others at the point): "
+            + ", ".join(
+                f"{b.input} ({_tps(b.tokens_per_s_at_low)}..{_tps(b.tokens_per_s_at_high)} tok/s)"
+                for b in r.tornado[:4]
             )
-        cmp = comparison(r)
-        if cmp:
-            out.append(f"vs article: {cmp}")
-    return "\n".join(out)
+        )
+    cmp = comparison(r)
+    if cmp:
+        out.append(f"vs article: {cmp}")
+    return out
 
 
 def profile_lines(est: Estimate) -> list[str]:
