@@ -275,18 +275,21 @@ def _read_index(index: Path) -> dict[str, list[str]]:
 
 
 def match_state_dict(
-    expected: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor], source: str
+    expected: dict[str, tuple[int, ...]],
+    tensors: dict[str, torch.Tensor],
+    source: str,
+    against: str = CONFIG_NAME,
 ) -> None:
     """Check checkpoint tensor names and shapes against those the config implies.
 
     ``expected`` maps names to shapes built from ``config.json``; ``source`` names the
-    checkpoint in the error. Raises :class:`CheckpointError` listing every missing tensor,
+    checkpoint in the error, ``against`` where the expected shapes come from. Raises :class:`CheckpointError` listing every missing tensor,
     unexpected tensor and shape mismatch at once.
     """
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     mismatched = [
-        f"{name} {tuple(tensors[name].shape)} in the checkpoint, {tuple(shape)} from {CONFIG_NAME}"
+        f"{name} {tuple(tensors[name].shape)} in the checkpoint, {tuple(shape)} from {against}"
         for name, shape in sorted(expected.items())
         if name in tensors and tuple(tensors[name].shape) != tuple(shape)
     ]

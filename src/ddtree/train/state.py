@@ -147,13 +147,16 @@ def load_checkpoint(
         )
     weights = load_file(str(ckpt / "model.safetensors"))
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    match_state_dict(expected, weights, str(ckpt / "model.safetensors"))
+    match_state_dict(expected, weights, str(ckpt / "model.safetensors"), "this run's model")
     moments = load_file(str(ckpt / "optimizer.safetensors"))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     wanted = {f"{n}.{m}": shape for n, shape in shapes.items() for m in ("exp_avg", "exp_avg_sq")}
     # a parameter without gradients (a balanced router bias) has no moments: not required
     match_state_dict(
-        {k: v for k, v in wanted.items() if k in moments}, moments, str(ckpt / TENSOR_FILES[1])
+        {k: v for k, v in wanted.items() if k in moments},
+        moments,
+        str(ckpt / TENSOR_FILES[1]),
+        "this run's model",
     )
     if any((f"{n}.exp_avg" in moments) != (f"{n}.exp_avg_sq" in moments) for n in shapes):
         raise CheckpointError(f"{ckpt / TENSOR_FILES[1]}: an exp_avg without its exp_avg_sq")
