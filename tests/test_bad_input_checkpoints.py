@@ -75,6 +75,7 @@ CASES = [
     Case("tokenizer-wrong-form", AR + "/q_tok_list", ("q_tok_list/tokenizer.json", "expected a tokenizers")),
     Case("tokenizer-no-model", AR + "/q_tok_nomodel", ("q_tok_nomodel/tokenizer.json", "model")),
     Case("tokenizer-not-json-bench", BENCH + " --target {w}/mla_tok_garbage", ("mla_tok_garbage/tokenizer.json", "JSON")),
+    Case("tokenizer-not-json-train-drafter", TRAIN_D.replace(str(TARGET), "{w}/mla_tok_garbage") + "/d_base", ("mla_tok_garbage/tokenizer.json", "UTF-8")),
     Case("tokenizer-config-not-json", AR + "/q_tokcfg_garbage", ("q_tokcfg_garbage/tokenizer_config.json", "JSON")),
     Case("tokenizer-config-not-json-chat", AR + "/q_tokcfg_garbage --chat", ("q_tokcfg_garbage/tokenizer_config.json", "JSON")),
     Case("tokenizer-config-not-json-serve", SERVE + "/q_tokcfg_garbage", ("q_tokcfg_garbage/tokenizer_config.json", "JSON")),
