@@ -198,8 +198,8 @@ def load_drafter(
 
     path = Path(path)
     config = read_config(path)
-    check_checkpoint(path, config)
     check_drafter_compat(config, target.info, str(path / "config.json"))
+    check_checkpoint(path, config)
     from ddtree.models.dflash import DFlashDrafter
 
     return DFlashDrafter.from_pretrained(path, target, dtype=dtype, device=device)

@@ -84,7 +84,11 @@ def check_float_weights(path: str | Path, config: dict) -> None:
     Reads the safetensors headers only."""
     if config.get("quantization_config"):
         return
-    for file in weight_files(path):
+    try:
+        files = weight_files(path)
+    except CheckpointError:
+        return  # no weights (or pickles): the loader that reads them says so
+    for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in handle.keys():
