@@ -138,15 +138,13 @@ def decode_config(args: argparse.Namespace, policy: str, budget: int | None = No
 
 
 class TextCodec:
-    """Text <-> token ids with the target's tokenizer (``tokenizer.json``)."""
+    """Text <-> token ids with the target's tokenizer (``tokenizer.json``, checked by
+    ``ddtree.models.tokenizer.load_tokenizer``: no more ids than ``vocab_size``)."""
 
-    def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer
+    def __init__(self, path: Path, vocab_size: int | None = None) -> None:
+        from ddtree.models.tokenizer import load_tokenizer
 
-        file = path / "tokenizer.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"{file}: no tokenizer.json next to the target's config.json")
-        self.tokenizer = Tokenizer.from_file(str(file))
+        self.tokenizer = load_tokenizer(path, vocab_size)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -201,6 +199,12 @@ def load_models(
         models.append((f"drafter {drafter_path.name}", DRAFTER_ENGINE_MODES))
     for mode in engine_modes:
         check_engine_support(mode, models)
+    # the tokenizer first: its files and its size against the config's vocabulary, before
+    # any weights are read
+    from ddtree.models.checkpoint import read_config
+    from ddtree.models.tokenizer import config_vocab_size
+
+    codec = TextCodec(target_path, config_vocab_size(read_config(target_path)))
     dtype = getattr(torch, args.dtype)
     target = load_target(
         target_path, impl=args.impl, dtype=dtype, device=args.device, tp=args.tp, ep=args.ep
@@ -216,7 +220,7 @@ def load_models(
         note(
             f"note: {target_path.name} stores {stored} weights; they run as {args.dtype} (--dtype)"
         )
-    return LoadedModels(target, drafter, TextCodec(target_path), target_path, drafter_path)
+    return LoadedModels(target, drafter, codec, target_path, drafter_path)
 
 
 def checkpoint_dtype(path: Path) -> str | None:

@@ -20,6 +20,7 @@ import torch
 
 from ddtree.models import decoder, mla_moe
 from ddtree.models.compat import (
+    DRAFTER_ARCHITECTURES,
     UnsupportedModelError,
     check_drafter_compat,
     drafter_target_layer_ids,
@@ -93,6 +94,11 @@ def choose_target_impl(config: dict, source: str, impl: str = "auto") -> TargetI
         raise ValueError(f"impl={impl!r}: expected auto or one of {', '.join(TARGET_IMPLS)}")
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
+    if "dflash_config" in config or set(architectures) & set(DRAFTER_ARCHITECTURES):
+        raise UnsupportedModelError(
+            f"{source}: a DFlash drafter checkpoint (architectures={architectures}, "
+            f"dflash_config); expected a target's: give it as the drafter (--drafter)"
+        )
     ours = [TARGET_IMPLS[name] for name in OUR_IMPLS if TARGET_IMPLS[name].serves(config)]
     if impl == "auto" and ours:
         return ours[0]
@@ -127,6 +133,17 @@ def target_engine_modes(path: str | Path, impl: str = "auto", tp: int = 1) -> tu
     return ("eager",) if tp > 1 else chosen.engine_modes
 
 
+def check_checkpoint(path: Path, config: dict) -> None:
+    """What every loader needs of a checkpoint before reading its weights, whichever
+    implementation loads it: ``layer_types`` agreeing with ``num_hidden_layers``, no integer
+    weights without a ``quantization_config`` (tensor names and shapes each loader checks
+    against the model its config builds)."""
+    from ddtree.models.checkpoint import check_float_weights, check_layer_types
+
+    check_layer_types(config, str(path / "config.json"))
+    check_float_weights(path, config)
+
+
 def load_target(
     path: str | Path,
     impl: str = "auto",
@@ -148,6 +165,7 @@ def load_target(
     path = Path(path)
     config = read_config(path)
     chosen = choose_target_impl(config, str(path / "config.json"), impl)
+    check_checkpoint(path, config)
     if tp != 1 or ep != 1:
         if not chosen.parallel:
             parallel = [i.name for i in TARGET_IMPLS.values() if i.parallel]
@@ -179,7 +197,9 @@ def load_drafter(
     from ddtree.models.checkpoint import read_config
 
     path = Path(path)
-    check_drafter_compat(read_config(path), target.info, str(path / "config.json"))
+    config = read_config(path)
+    check_drafter_compat(config, target.info, str(path / "config.json"))
+    check_checkpoint(path, config)
     from ddtree.models.dflash import DFlashDrafter
 
     return DFlashDrafter.from_pretrained(path, target, dtype=dtype, device=device)

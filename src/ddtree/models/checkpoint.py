@@ -43,6 +43,79 @@ def read_config(path: str | Path) -> dict:
     return config
 
 
+# transformers' ALLOWED_LAYER_TYPES (5.x): the values a config's layer_types may hold
+LAYER_TYPES = (
+    "full_attention", "sliding_attention", "chunked_attention", "window_attention",
+    "indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+    "minimax_m3_sparse", "conv", "moe", "hybrid", "hybrid_sliding",
+    "reference_sliding_attention", "linear_attention", "sparse", "dense",
+)  # fmt: skip
+# safetensors dtypes that are no model weight unless a quantization_config says how to read them
+INTEGER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
+
+
+def check_layer_types(config: dict, source: str) -> None:
+    """``layer_types`` (when a config has it, or its ``text_config``) has one known entry per
+    decoder layer: ``num_hidden_layers`` of them."""
+    for cfg, prefix in ((config, ""), (config.get("text_config"), "text_config.")):
+        if not isinstance(cfg, dict) or cfg.get("layer_types") is None:
+            continue
+        types, n_layers = cfg["layer_types"], cfg.get("num_hidden_layers")
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise CheckpointError(
+                f"{source}: field {prefix}layer_types={types!r}: expected a list of strings"
+            )
+        if isinstance(n_layers, int) and len(types) != n_layers:
+            raise CheckpointError(
+                f"{source}: field {prefix}layer_types has {len(types)} entries, expected "
+                f"num_hidden_layers={n_layers}"
+            )
+        unknown = sorted({t for t in types if t not in LAYER_TYPES})
+        if unknown:
+            raise CheckpointError(
+                f"{source}: field {prefix}layer_types holds {', '.join(map(repr, unknown))}; "
+                f"expected entries of {', '.join(LAYER_TYPES[:4])}, ..."
+            )
+
+
+def check_float_weights(path: str | Path, config: dict) -> None:
+    """Without a ``quantization_config``, every ``*.weight`` tensor must be stored as floats:
+    integer weights (int8 ...) would otherwise be cast to the model dtype, silently wrong.
+    Reads the safetensors headers only."""
+    if config.get("quantization_config"):
+        return
+    try:
+        files = weight_files(path)
+    except CheckpointError:
+        return  # no weights (or pickles): the loader that reads them says so
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    dtype = handle.get_slice(name).get_dtype()
+                    if name.endswith("weight") and dtype in INTEGER_DTYPES:
+                        stored = _TORCH_DTYPE.get(dtype, dtype)
+                        raise CheckpointError(
+                            f"{file}: tensor {name} is stored as {stored} but {CONFIG_NAME} has "
+                            f"no quantization_config; expected floating-point weights "
+                            f"(float32, bfloat16, float16)"
+                        )
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
+
+
+_TORCH_DTYPE = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
+                "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64"}  # fmt: skip
+
+
+def weights_source(path: str | Path) -> str:
+    """What names a checkpoint's weights in a message: its one safetensors file, or the index
+    of its shards."""
+    path = Path(path)
+    files = weight_files(path)
+    return str(files[0] if len(files) == 1 else path / INDEX_NAME)
+
+
 def weight_files(path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint, found and checked without reading tensors.
 
@@ -206,18 +279,21 @@ def _read_index(index: Path) -> dict[str, list[str]]:
 
 
 def match_state_dict(
-    expected: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor], source: str
+    expected: dict[str, tuple[int, ...]],
+    tensors: dict[str, torch.Tensor],
+    source: str,
+    against: str = CONFIG_NAME,
 ) -> None:
     """Check checkpoint tensor names and shapes against those the config implies.
 
     ``expected`` maps names to shapes built from ``config.json``; ``source`` names the
-    checkpoint in the error. Raises :class:`CheckpointError` listing every missing tensor,
+    checkpoint in the error, ``against`` where the expected shapes come from. Raises :class:`CheckpointError` listing every missing tensor,
     unexpected tensor and shape mismatch at once.
     """
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     mismatched = [
-        f"{name} {tuple(tensors[name].shape)} in the checkpoint, {tuple(shape)} from {CONFIG_NAME}"
+        f"{name} {tuple(tensors[name].shape)} in the checkpoint, {tuple(shape)} from {against}"
         for name, shape in sorted(expected.items())
         if name in tensors and tuple(tensors[name].shape) != tuple(shape)
     ]

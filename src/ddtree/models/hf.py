@@ -26,6 +26,7 @@ norm, as transformers returns it.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -55,6 +56,43 @@ def detect_cache_keyword(forward) -> str:
         f"{getattr(forward, '__qualname__', forward)}: no cache parameter in its signature "
         f"({', '.join(params)}); expected one of {CACHE_KEYWORDS}"
     )
+
+
+def check_loading_info(info: dict, source: str) -> None:
+    """transformers' ``output_loading_info`` of a load: tensors missing from the checkpoint
+    (it would initialise them randomly), unexpected ones (it would drop them) and shape
+    mismatches (it would re-initialise them) are a :class:`CheckpointError` naming them."""
+    from ddtree.models.checkpoint import CheckpointError, _names
+
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"missing tensors: {_names(sorted(info['missing_keys']))}")
+    if info.get("unexpected_keys"):
+        problems.append(f"unexpected tensors: {_names(sorted(info['unexpected_keys']))}")
+    mismatched = [
+        f"{name} {tuple(found)} in the checkpoint, {tuple(wanted)} from config.json"
+        for name, found, wanted in sorted(info.get("mismatched_keys") or (), key=str)
+    ]
+    if mismatched:
+        problems.append(f"shape mismatches: {_names(mismatched)}")
+    if problems:
+        raise CheckpointError(f"{source}: " + "; ".join(problems))
+
+
+@contextmanager
+def quiet_transformers():
+    """transformers' warnings (its load report) and progress bars off, for the block."""
+    from transformers.utils import logging
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def causal_float_mask(start: int, m: int, dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -118,17 +156,29 @@ class HFTarget:
         """Load a checkpoint directory (config.json + safetensors; pickles are refused)."""
         from transformers import AutoModelForCausalLM
 
-        from ddtree.models.checkpoint import CheckpointError, read_config, weight_files
+        from ddtree.models.checkpoint import (
+            CheckpointError,
+            read_config,
+            weight_files,
+            weights_source,
+        )
 
         path = Path(path)
         read_config(path)  # clear errors for a missing or broken config.json
         weight_files(path)  # refuses pickles, names missing shards
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, use_safetensors=True, attn_implementation=attn_implementation
-            )
+            with quiet_transformers():  # its load report and progress bar: ours is one line
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    path,
+                    dtype=dtype,
+                    use_safetensors=True,
+                    attn_implementation=attn_implementation,
+                    output_loading_info=True,
+                    ignore_mismatched_sizes=True,  # reported below, as ours are
+                )
         except (ValueError, KeyError, OSError) as err:
             raise CheckpointError(f"{path}: transformers could not load it: {err}") from err
+        check_loading_info(info, weights_source(path))
         return cls(model.to(device), name=path.name, check_finite=check_finite)
 
     # --- protocol -------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class MlaMoeConfig:
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = ARCHITECTURES[0]
     quantization: QuantScheme | None = None  # of the checkpoint's weights (ddtree.models.quant)
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers stored after the others
     # derived in __post_init__
     qk_head_dim: int = 0
     softmax_scale: float = 0.0
@@ -187,6 +188,7 @@ class MlaMoeConfig:
                 rope_scaling=rope.params if rope.kind == "yarn" else {},
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 eos_token_ids=eos_ids,
+                num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
                 architecture=(cfg.get("architectures") or ARCHITECTURES)[0],
                 quantization=scheme_from_config(cfg, source),
             )
@@ -562,17 +564,11 @@ def build_model(
 def _fuse_per_expert(tensors: dict[str, torch.Tensor], config: MlaMoeConfig) -> dict:
     """Published DeepSeek/Kimi checkpoints store experts one by one
     (``mlp.experts.{e}.{gate,up,down}_proj.weight``); stack them into the fused layout.
-    Multi-token-prediction layers (index >= num_hidden_layers) are dropped."""
+    The ``num_nextn_predict_layers`` multi-token-prediction layers stored after the decoder
+    layers are dropped; layers beyond those stay, for the check to name as unexpected."""
     n = config.num_hidden_layers
-    out = {
-        k: v
-        for k, v in tensors.items()
-        if not (
-            k.startswith(f"model.layers.{n}.")
-            or _layer_index(k) is not None
-            and _layer_index(k) >= n
-        )
-    }
+    mtp = range(n, n + config.num_nextn_predict_layers)
+    out = {k: v for k, v in tensors.items() if _layer_index(k) not in mtp}
     for layer in range(config.first_k_dense_replace, n):
         fuse_experts(
             out, f"model.layers.{layer}.mlp.experts.", config.n_routed_experts, "checkpoint"

@@ -30,6 +30,12 @@ class ChatTemplate:
         ``prompt_ids`` then says so, so a server can still serve plain completions)."""
         from transformers import AutoTokenizer
 
+        from ddtree.models.tokenizer import TOKENIZER_NAME, check_tokenizer_config, load_tokenizer
+
+        # the files transformers reads, checked first: one line naming a broken one
+        check_tokenizer_config(checkpoint)
+        if (Path(checkpoint) / TOKENIZER_NAME).is_file():
+            load_tokenizer(checkpoint)
         tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
         return ChatTemplate(tokenizer if tokenizer.chat_template else None, Path(checkpoint))
 

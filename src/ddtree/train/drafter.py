@@ -31,7 +31,7 @@ from ddtree.train.corpus import (
 from ddtree.train.data import SEQUENCES_FILE, build_sequences, load_sequences, save_sequences
 from ddtree.train.loop import adamw, train_steps
 from ddtree.train.progress import train_progress
-from ddtree.train.state import TrainState, load_checkpoint
+from ddtree.train.state import TrainState, check_checkpoint, load_checkpoint
 from ddtree.train.tokenizer import EOS_TOKEN, MASK_TOKEN, load_tokenizer, special_id
 
 EXPORT_DTYPE = torch.bfloat16
@@ -68,7 +68,10 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 def load_frozen_target(target_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    from ddtree.models.hf import quiet_transformers
+
+    with quiet_transformers():  # no progress bar: a refused resume after it is one line
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
     model.eval().requires_grad_(False)
     return model
 
@@ -148,6 +151,8 @@ def train_drafter(
     from ddtree.models.dflash import DFlashModel
 
     target_dir, out = Path(target_dir), Path(out)
+    if resume:  # a broken checkpoint is refused before anything is read or written
+        check_checkpoint(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(target_dir)
     eos_id, mask_id = special_id(tok, EOS_TOKEN), special_id(tok, MASK_TOKEN)

@@ -77,15 +77,66 @@ def checkpoint_step(out: Path) -> int | None:
         return None
 
 
-def load_checkpoint(
-    out: Path, model: nn.Module, opt: torch.optim.AdamW, config: dict
-) -> TrainState:
-    """Restore ``model`` and ``opt`` from ``<out>/checkpoint``; the run's config must match."""
+# state.json's fields: name -> (types, what is expected)
+STATE_FIELDS = {
+    "step": ((int,), "an integer >= 0"),
+    "optimizer_step": ((int,), "an integer >= 0"),
+    "losses": ((list,), "a list of numbers"),
+    "elapsed_s": ((int, float), "a number of seconds"),
+    "config": ((dict,), "the run's config object"),
+}
+TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
+
+
+def check_checkpoint(out: Path) -> dict:
+    """``<out>/checkpoint`` checked before a resume does anything (reads the corpus, trains
+    a tokenizer, writes): ``state.json`` a JSON object with its fields, both tensor files
+    readable safetensors (headers only). Returns state.json's dict; a
+    :class:`~ddtree.models.checkpoint.CheckpointError` names the file otherwise."""
+    from safetensors import SafetensorError, safe_open
+
+    from ddtree.models.checkpoint import CheckpointError
+
     ckpt = Path(out) / CHECKPOINT_DIR
     meta_file = ckpt / "state.json"
     if not meta_file.is_file():
-        raise FileNotFoundError(f"{meta_file}: no checkpoint to resume from")
-    meta = json.loads(meta_file.read_text())
+        raise CheckpointError(f"{meta_file}: no checkpoint to resume from (no such file)")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{meta_file}: not JSON ({err}); expected a JSON object") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}")
+    for name, (types, what) in STATE_FIELDS.items():
+        value = meta.get(name)
+        if (
+            not isinstance(value, types)
+            or isinstance(value, bool)
+            or (types == (int,) and value < 0)
+        ):
+            raise CheckpointError(f"{meta_file}: field {name}={value!r}: expected {what}")
+    for name in TENSOR_FILES:
+        file = ckpt / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: no such file; the checkpoint is incomplete")
+        try:
+            with safe_open(str(file), framework="pt", device="cpu"):
+                pass
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
+    return meta
+
+
+def load_checkpoint(
+    out: Path, model: nn.Module, opt: torch.optim.AdamW, config: dict
+) -> TrainState:
+    """Restore ``model`` and ``opt`` from ``<out>/checkpoint``; the run's config must match,
+    and every tensor the model's (names and shapes, the AdamW moments' too)."""
+    from ddtree.models.checkpoint import CheckpointError, match_state_dict
+
+    ckpt = Path(out) / CHECKPOINT_DIR
+    meta_file = ckpt / "state.json"
+    meta = check_checkpoint(out)
     saved, now = _flatten(meta.get("config", {})), _flatten(config)
     differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     differ = [k for k in differ if k not in RESUMABLE_CHANGES]
@@ -94,8 +145,22 @@ def load_checkpoint(
             f"{meta_file}: config fields {differ} differ from this run "
             f"(saved {[saved.get(k) for k in differ]}, now {[now.get(k) for k in differ]})"
         )
-    model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    weights = load_file(str(ckpt / "model.safetensors"))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    match_state_dict(expected, weights, str(ckpt / "model.safetensors"), "this run's model")
     moments = load_file(str(ckpt / "optimizer.safetensors"))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    wanted = {f"{n}.{m}": shape for n, shape in shapes.items() for m in ("exp_avg", "exp_avg_sq")}
+    # a parameter without gradients (a balanced router bias) has no moments: not required
+    match_state_dict(
+        {k: v for k, v in wanted.items() if k in moments},
+        moments,
+        str(ckpt / TENSOR_FILES[1]),
+        "this run's model",
+    )
+    if any((f"{n}.exp_avg" in moments) != (f"{n}.exp_avg_sq" in moments) for n in shapes):
+        raise CheckpointError(f"{ckpt / TENSOR_FILES[1]}: an exp_avg without its exp_avg_sq")
+    model.load_state_dict(weights)
     for name, p in model.named_parameters():
         if f"{name}.exp_avg" in moments:
             opt.state[p] = {

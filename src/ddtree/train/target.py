@@ -26,7 +26,7 @@ from ddtree.train.corpus import (
 )
 from ddtree.train.loop import adamw, train_steps
 from ddtree.train.progress import train_progress
-from ddtree.train.state import TrainState, load_checkpoint
+from ddtree.train.state import TrainState, check_checkpoint, load_checkpoint
 from ddtree.train.tokenizer import (
     EOS_TOKEN,
     load_tokenizer,
@@ -135,6 +135,8 @@ def train_target(
     from transformers import DeepseekV3ForCausalLM
 
     out = Path(out)
+    if resume:  # a broken checkpoint is refused before anything is read or written
+        check_checkpoint(out)
     out.mkdir(parents=True, exist_ok=True)
     split = list_corpus(max_files=cfg.max_files)
     train_texts = read_texts(split.train)

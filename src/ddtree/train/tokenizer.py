@@ -51,10 +51,11 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
-    file = Path(path) / "tokenizer.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: tokenizer file not found")
-    return Tokenizer.from_file(str(file))
+    """``tokenizer.json`` of folder ``path``, checked as every loader checks it
+    (``ddtree.models.tokenizer``: one error naming the file)."""
+    from ddtree.models.tokenizer import load_tokenizer as load_checked
+
+    return load_checked(path)
 
 
 def special_id(tok: Tokenizer, token: str) -> int:
