@@ -246,6 +246,9 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         ok = isinstance(value, str)
     elif origin is list or hint is list:
         ok = isinstance(value, list)
+        args = typing.get_args(hint)
+        if ok and args:
+            return [_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)]
     elif origin is dict or hint is dict:
         ok = isinstance(value, dict)
         args = typing.get_args(hint)
@@ -380,6 +383,18 @@ class EngineRun(Record):
     prefill_s_mean: float | None = summary_field(None)
     prompts: int | None = summary_field(None)
     compile_s: float | None = summary_field(None)  # compiled mode's warm-up, outside steps
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key, hint in (("count", int), ("lengths", list[int])):
+            value = self.prompt_set.get(key)
+            if value is None:
+                continue
+            value = _coerce(value, hint, f"config.prompts.{key}")
+            if any(n < 0 for n in (value if isinstance(value, list) else [value])):
+                raise RecordError(
+                    f"field 'config.prompts.{key}' is {_short(value)}; expected counts >= 0"
+                )
 
     @property
     def prompt_lengths(self) -> list[int]:
