@@ -170,6 +170,18 @@ def test_list_items_and_the_prompt_set_are_typed(change, field):
         dataclasses.replace(run, **change)
 
 
+@pytest.mark.parametrize(
+    "section,key,value",
+    [("target", "ep", "two"), ("target", "config_json", [1]), ("drafter", "n_params", 1.5)],
+)
+def test_the_model_fields_readers_compute_with_are_typed(section, key, value):
+    (run,) = read_records(V1_FILE, kind="engine_run")[:1]
+    model = {**(getattr(run, section) or {}), key: value}
+    with pytest.raises(RecordError, match=rf"field 'config.{section}.{key}'"):
+        dataclasses.replace(run, **{section: model})
+    assert dataclasses.replace(run, **{section: {**model, key: None}})  # null: not recorded
+
+
 def test_bad_line_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(_line(_bw()) + "{not json\n" + _line(_bw()))
