@@ -65,6 +65,7 @@ CHANGES = {  # id -> (text replaced or END, replacement, expected in the message
     "anchor-name-table": (ANCH, "name = { a = 1 }", ("anchor[0].name", "expected a string")),
     "anchor-source-list": (ANCH, f"{ANCH}\nsource = [1]", ("anchor[0] (a).source", "expected a string")),
     "anchor-counts-prompt-string": ('tokens_per_s = "303 tok/s"', 'tokens_per_s = "303 tok/s"\nmetric = "e2e_tokens_per_s"\nprompt_tokens = 100\noutput_tokens = 100\ncounts_prompt = "no"', ("counts_prompt", "true or false")),
+    "anchor-noise-denormal": (ANCH, f"{ANCH}\nnoise = 5e-324", ("anchor[0] (a).noise", "[0.001, 1)")),
     "anchor-tau-above-budget": ("budget = 8", "budget = 2", ("anchor[0] (a).tau", "budget + 1 = 3")),
     "anchor-moe-on-dense-model": ("kimi-k2-thinking", "llama-3.1-8b", ("anchor[1] (m).kind", "dense")),
     # scenario cases

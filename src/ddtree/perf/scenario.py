@@ -616,12 +616,22 @@ def _tau(raw: Any, point: Point, where: str) -> Value:
     return tau
 
 
+MIN_ANCHOR_NOISE = 1e-3
+"""No measurement of a decode speed is known to better than 0.1% (the fit weighs an anchor by
+1 / noise^2: a denormal noise made the calibration's SVD fail)."""
+
+
 def noise_of(raw: Any, where: str) -> float:
     if raw is None:
         return DEFAULT_ANCHOR_NOISE
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < 1:
+    if (
+        isinstance(raw, bool)
+        or not isinstance(raw, (int, float))
+        or not MIN_ANCHOR_NOISE <= raw < 1
+    ):
         raise ScenarioError(
-            f"{where}.noise: expected a relative 1-sigma noise in (0, 1) like 0.03, got {raw!r}"
+            f"{where}.noise: expected a relative 1-sigma noise in [{MIN_ANCHOR_NOISE:g}, 1) like "
+            f"0.03, got {raw!r}"
         )
     return float(raw)
 
