@@ -153,6 +153,35 @@ def test_unknown_stage_and_engine_mode_are_named():
     assert dataclasses.replace(run, engine_mode="compiled").engine_mode is EngineMode.COMPILED
 
 
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"prompt_set": {"count": 4, "lengths": [None, 63]}}, r"config.prompts.lengths\[0\]"),
+        ({"prompt_set": {"count": "4", "lengths": [63]}}, "config.prompts.count"),
+        ({"prompt_set": {"lengths": [63, -1]}}, "config.prompts.lengths"),
+        ({"width_buckets": [16, "32"]}, r"config.width_buckets\[1\]"),
+    ],
+)
+def test_list_items_and_the_prompt_set_are_typed(change, field):
+    """Each item of a list field is checked (a null prompt length reached the estimator's
+    arithmetic as a TypeError), and the prompt set's count and lengths are counts."""
+    (run,) = read_records(V1_FILE, kind="engine_run")[:1]
+    with pytest.raises(RecordError, match=rf"field '{field}"):
+        dataclasses.replace(run, **change)
+
+
+@pytest.mark.parametrize(
+    "section,key,value",
+    [("target", "ep", "two"), ("target", "config_json", [1]), ("drafter", "n_params", 1.5)],
+)
+def test_the_model_fields_readers_compute_with_are_typed(section, key, value):
+    (run,) = read_records(V1_FILE, kind="engine_run")[:1]
+    model = {**(getattr(run, section) or {}), key: value}
+    with pytest.raises(RecordError, match=rf"field 'config.{section}.{key}'"):
+        dataclasses.replace(run, **{section: model})
+    assert dataclasses.replace(run, **{section: {**model, key: None}})  # null: not recorded
+
+
 def test_bad_line_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(_line(_bw()) + "{not json\n" + _line(_bw()))

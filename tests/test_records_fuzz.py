@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddtree.records import Record, RecordError, RecordWarning, from_dict, read_records
+from perf.test_scenario_fuzz import check_outcome, run_estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE_FILES = [
@@ -221,3 +222,43 @@ def test_what_the_fuzz_found_is_one_line(tmp_path, text, expect):
     path.write_text(text + "\n")
     with pytest.raises(RecordError, match=re.escape(f"{path}:1: {expect}")):
         read_records(path)
+
+
+# ---- the estimator on random records: anchors, this machine, the backtest ------------------
+
+
+def _check_estimate(path: Path, texts: list[str], backtest: bool) -> None:
+    """``ddtree estimate --records`` (or ``--backtest``) on the lines: a result or exactly one
+    error line naming the file (a skipped line's one-line warning aside), never a traceback."""
+    path.write_text("".join(t + "\n" for t in texts), encoding="utf-8", errors="surrogatepass")
+    argv = ["--backtest", str(path)] if backtest else ["--records", str(path)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        code, errors, stdout = run_estimate(argv, [path])
+    if backtest:  # a table or "found no engine_run records to hold out", not the estimate's JSON
+        assert code in (0, 2) and len(errors) <= 1, (code, errors)
+        assert code == 0 or any(s in errors[0] for s in (str(path), "records", "no engine_run"))
+        return
+    check_outcome(code, errors, stdout, [str(path), "records"])
+
+
+record_lines = st.lists(
+    st.one_of(mutated().map(_text), st.sampled_from(TEMPLATES).map(_dumps), raw_tokens()),
+    min_size=1,
+    max_size=4,
+)
+
+
+@FAST
+@given(texts=record_lines, backtest=st.booleans())
+def test_estimating_on_random_records_gives_a_result_or_one_line_error(fuzz_file, texts, backtest):
+    _check_estimate(fuzz_file, texts, backtest)
+
+
+@pytest.mark.slow
+@SLOW
+@given(texts=record_lines, backtest=st.booleans())
+def test_estimating_on_random_records_gives_a_result_or_one_line_error_many(
+    fuzz_file, texts, backtest
+):
+    _check_estimate(fuzz_file, texts, backtest)

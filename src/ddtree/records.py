@@ -199,6 +199,12 @@ def _short(value: Any) -> str:
     return _SHORT.repr(value)
 
 
+def _key(key: str) -> str:
+    """A mapping key as it stands in a field name: as written when printable and short, else
+    its short repr (a key holding a newline would split the one-line error)."""
+    return key if key.isprintable() and len(key) <= 40 else _short(key)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -246,12 +252,15 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         ok = isinstance(value, str)
     elif origin is list or hint is list:
         ok = isinstance(value, list)
+        args = typing.get_args(hint)
+        if ok and args:
+            return [_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)]
     elif origin is dict or hint is dict:
         ok = isinstance(value, dict)
         args = typing.get_args(hint)
         if ok and args:
             return {
-                _coerce(k, args[0], f"{name}.{k}"): _coerce(v, args[1], f"{name}.{k}")
+                _coerce(k, args[0], f"{name}.{_key(k)}"): _coerce(v, args[1], f"{name}.{_key(k)}")
                 for k, v in value.items()
             }
     if not ok:
@@ -340,6 +349,18 @@ class Record:
         return json.dumps(self.to_dict(), allow_nan=False)
 
 
+# the fields of an engine_run's target / drafter (``ModelInfo``) that readers compute with
+MODEL_FIELDS: dict[str, Any] = {
+    "name": str,
+    "n_params": int,
+    "num_layers": int,
+    "dtype": str,
+    "tp": int,
+    "ep": int,
+    "config_json": dict[str, Any],
+}
+
+
 @dataclass(kw_only=True)
 class EngineRun(Record):
     """One decode run of the engine: a policy at one (block size, budget) over a prompt set.
@@ -380,6 +401,22 @@ class EngineRun(Record):
     prefill_s_mean: float | None = summary_field(None)
     prompts: int | None = summary_field(None)
     compile_s: float | None = summary_field(None)  # compiled mode's warm-up, outside steps
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for section, model in (("target", self.target), ("drafter", self.drafter or {})):
+            for key, hint in MODEL_FIELDS.items():
+                if model.get(key) is not None:
+                    _coerce(model[key], hint, f"config.{section}.{key}")
+        for key, hint in (("count", int), ("lengths", list[int])):
+            value = self.prompt_set.get(key)
+            if value is None:
+                continue
+            value = _coerce(value, hint, f"config.prompts.{key}")
+            if any(n < 0 for n in (value if isinstance(value, list) else [value])):
+                raise RecordError(
+                    f"field 'config.prompts.{key}' is {_short(value)}; expected counts >= 0"
+                )
 
     @property
     def prompt_lengths(self) -> list[int]:

@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {note}", file=sys.stderr)
         est = estimate(sf, args.samples, args.seed)
     except (ScenarioError, UnitError, CatalogError, ModelError, RecordError) as exc:
-        print(f"ddtree estimate: {exc}", file=sys.stderr)
+        # one line, whatever the file's own keys and strings hold (a newline, a \x1c)
+        print(f"ddtree estimate: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     for warning in report.calibration_warnings(est):
         print(f"warning: {warning}", file=sys.stderr)

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddtree.perf.values import Range, ScenarioError, Value
+from ddtree.perf.values import Range, ScenarioError, Value, text
 from ddtree.records import Acceptance, RecordError, read_records
 from ddtree.vocab import Policy, get_policy
 
@@ -132,7 +132,9 @@ def tau_from_records(
             f'{where}: a measured tau is {{ records = "acc.jsonl" }} with an optional '
             f'trace = "trace:..."; got fields {sorted(spec)}'
         )
-    path = Path(str(spec["records"]))
+    path = Path(text(spec["records"], f"{where}.records"))
+    if "trace" in spec:
+        text(spec["trace"], f"{where}.trace")
     if not path.is_absolute():
         path = base_dir / path
     measured = choose_trace(read_acceptance(path), spec.get("trace"), where)

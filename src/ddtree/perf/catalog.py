@@ -29,6 +29,9 @@ _FIGURES: dict[str, Dim] = {
     **{f"{p}_sparse": FLOP_RATE for p in PRECISIONS},
 }
 _TEXT_FIELDS = ("name", "interconnect", "base", "host_cpu")
+# figures that may be 0 (unknown: no memory fit check, no link term, no all-reduce latency);
+# every other figure (a bandwidth, a FLOP rate) divides a time and must be > 0
+_MAY_BE_ZERO = ("memory", "link_bandwidth", "allreduce_latency")
 _LIST_FIELDS = ("match",)
 _INT_FIELDS = ("gpus_per_node",)
 DEFAULT_GPUS_PER_NODE = 8
@@ -90,7 +93,17 @@ def _figure(entry: dict, key: str, name: str, where: str, default_kind: str):
     if isinstance(raw, dict):
         if "value" not in raw:
             raise CatalogError(f"{where}: {key}.{name} needs a 'value'")
-        value, source = raw["value"], str(raw.get("source", ""))
+        extra = sorted(set(raw) - {"value", "source", "assumed"})
+        if extra:
+            raise CatalogError(
+                f"{where}: {key}.{name}: unknown field(s) {', '.join(extra)}; "
+                "expected value, source, assumed"
+            )
+        value, source = raw["value"], raw.get("source", "")
+        if not isinstance(source, str) or not isinstance(raw.get("assumed", False), bool):
+            raise CatalogError(
+                f"{where}: {key}.{name}: 'source' is a string and 'assumed' true or false"
+            )
         kind = "assumed" if raw.get("assumed") else default_kind
         if default_kind == "catalog" and not source:
             raise CatalogError(f"{where}: {key}.{name} has no 'source'")
@@ -137,9 +150,15 @@ def hardware_from_dict(
         "host_cpu": base.host_cpu if base else REFERENCE_HOST,
     }
     for name in _TEXT_FIELDS:
-        if name in entry and name != "base":
+        if name in entry:
             value, p = _figure(entry, key, name, where, default_kind)
-            text[name] = str(value)
+            if not isinstance(value, str):
+                raise CatalogError(
+                    f"{where}: hardware.{key}.{name}: expected a string, got {value!r:.60}"
+                )
+            if name == "base":
+                continue
+            text[name] = value
             if name == "interconnect":
                 prov[name] = p
     for name, dim in _FIGURES.items():
@@ -150,6 +169,9 @@ def hardware_from_dict(
             vals[name] = parse_quantity(value, dim, f"{where}: hardware.{key}.{name}")
         except UnitError as exc:
             raise CatalogError(str(exc)) from None
+        if not (vals[name] >= 0 if name in _MAY_BE_ZERO else vals[name] > 0):
+            bound = ">= 0 (0: unknown)" if name in _MAY_BE_ZERO else "> 0"
+            raise CatalogError(f"{where}: hardware.{key}.{name}: {value!r} must be {bound}")
         prov[name] = p
     for need in ("hbm_bandwidth",):
         if need not in vals:

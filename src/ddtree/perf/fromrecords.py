@@ -143,7 +143,7 @@ def _model_of(record: EngineRun, where: str) -> ModelShape:
     if not cfg:
         raise ScenarioError(f"{where}: engine_run record has no target.config_json to cost")
     try:
-        shape = shape_from_config(cfg, name=str(record.target.get("name", "target")), where=where)
+        shape = shape_from_config(cfg, name=str(record.target.get("name") or "target"), where=where)
     except ModelError as exc:
         raise ScenarioError(str(exc)) from None
     prec = _PREC.get(record.dtype.replace("torch.", ""), "fp32")
@@ -154,10 +154,10 @@ def _drafter_of(record: EngineRun) -> Drafter | None:
     d = record.drafter
     if not isinstance(d, dict):
         return None
-    dtype = _PREC.get(str(d.get("dtype", "float32")).replace("torch.", ""), "fp32")
+    dtype = _PREC.get(str(d.get("dtype") or "float32").replace("torch.", ""), "fp32")
     return Drafter(
-        params=float(d.get("n_params", 0)),
-        layers=int(d.get("num_layers", 1)),
+        params=float(d.get("n_params") or 0),
+        layers=int(d.get("num_layers") or 1),
         precision=dtype,
         source="engine_run record",
     )
@@ -199,7 +199,7 @@ def _engine_anchors(i: int, r: EngineRun, machine: Hardware | None, links: dict)
     lens = r.prompt_lengths or [0]
     ctx = sum(lens) / len(lens) + 0.5 * r.max_new_tokens
     policy = get_policy(r.policy)
-    ep = int(r.target.get("ep", 1))
+    ep = int(r.target.get("ep") or 1)
     point = Point(
         hardware=hardware_for(r, machine, links),
         tp=r.tp,

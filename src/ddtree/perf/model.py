@@ -421,8 +421,11 @@ def load_model(spec: dict[str, Any], where: str, base_dir: Path | None = None) -
             f"{where}: model needs exactly one of 'preset' ({', '.join(PRESETS)}) or "
             "'config' (path to a Hugging Face config.json)"
         )
+    for name in ("preset", "config"):
+        if name in spec and not isinstance(spec[name], str):
+            raise ModelError(f"{where}: model.{name}: expected a string, got {spec[name]!r:.60}")
     if "preset" in spec:
-        key = str(spec["preset"]).lower()
+        key = spec["preset"].lower()
         if key not in PRESETS:
             raise ModelError(
                 f"{where}: model.preset = {spec['preset']!r}; expected one of {', '.join(PRESETS)}"
@@ -443,9 +446,7 @@ def load_model(spec: dict[str, Any], where: str, base_dir: Path | None = None) -
         shape = shape_from_config(cfg, name=path.parent.name, where=str(path))
     prec = spec.get("precision") or {}
     if prec:
-        if not isinstance(prec, dict):
+        if not isinstance(prec, dict) or not all(isinstance(v, str) for v in prec.values()):
             raise ModelError(f"{where}: model.precision must be a table of component = format")
-        shape = replace(
-            shape, precision={**shape.precision, **{k: str(v) for k, v in prec.items()}}
-        )
+        shape = replace(shape, precision={**shape.precision, **prec})
     return shape

@@ -38,7 +38,17 @@ from ddtree.perf.cost import (
 )
 from ddtree.perf.model import PRECISION_BYTES, ModelError, ModelShape, load_model
 from ddtree.perf.physics import findings
-from ddtree.perf.values import Range, ScenarioError, Value
+from ddtree.perf.values import (
+    Range,
+    ScenarioError,
+    Value,
+    flag,
+    one_of,
+    strings,
+    table,
+    text,
+    type_name,
+)
 from ddtree.vocab import DEFAULT_POLICY, POLICIES, Drafting, Policy, Stage
 
 DEFAULT_ANCHOR_NOISE = 0.01
@@ -223,6 +233,15 @@ def _value(raw: Any, dim: u.Dim, where: str) -> Value:
     return u.parse_quantity(raw, dim, where)
 
 
+def _rate_or_range(raw: Any, where: str) -> Value:
+    """A published token rate or a range of them: every bound finite and > 0."""
+    v = _value(raw, u.TOKEN_RATE, where)
+    low = v.low if isinstance(v, Range) else v
+    if not low > 0:
+        raise ScenarioError(f"{where}: {raw!r} must be a positive token rate")
+    return v
+
+
 def _int(raw: Any, where: str, low: int = 1) -> int:
     if isinstance(raw, bool) or not isinstance(raw, int) or raw < low:
         raise ScenarioError(f"{where}: expected an integer >= {low}, got {raw!r}")
@@ -248,6 +267,14 @@ def _positive(raw: Any, dim: u.Dim, where: str) -> float:
     value = u.parse_quantity(raw, dim, where)
     if not (math.isfinite(value) and value > 0):
         raise ScenarioError(f"{where}: {raw!r} must be a positive, finite quantity")
+    return value
+
+
+def _at_least_0(raw: Any, dim: u.Dim, where: str) -> float:
+    """A quantity that must be finite and >= 0 (a size that may be nothing)."""
+    value = u.parse_quantity(raw, dim, where)
+    if not (math.isfinite(value) and value >= 0):
+        raise ScenarioError(f"{where}: {raw!r} must be a finite quantity >= 0")
     return value
 
 
@@ -280,7 +307,7 @@ class ParseContext:
                 self.notes.append(note)
 
     def engine(self, raw: Any, where: str) -> str:
-        name = str(raw)
+        name = text(raw, f"{where}.engine")
         if name in ENGINE_ALIASES and name not in self.engines:
             new = ENGINE_ALIASES[name]
             note = f"{self.where}: engine {name!r} is now called {new!r}; read as {new!r}"
@@ -300,17 +327,13 @@ def drafter_from(spec: dict, where: str) -> Drafter:
     ``precision`` / ``source`` for policy ``mtp``, whose drafter is the target's own MTP layer
     (``layers = 0`` here: the shape comes from the model)."""
     check_keys(
-        spec,
+        table(spec, where),
         {"params", "layers", "precision", "kv_bytes_per_token", "shares_target_lm_head", "source",
          "lm_head_vocab"},
         where,
     )  # fmt: skip
-    prec = str(spec.get("precision", "bf16"))
-    if prec not in PRECISION_BYTES:
-        raise ScenarioError(
-            f"{where}.precision: {prec!r}; expected one of {', '.join(PRECISION_BYTES)}"
-        )
-    source = str(spec.get("source", ""))
+    prec = one_of(spec.get("precision", "bf16"), PRECISION_BYTES, f"{where}.precision")
+    source = text(spec.get("source", ""), f"{where}.source")
     if "params" not in spec and "layers" not in spec and not set(spec) - {"precision", "source"}:
         return Drafter(params=0.0, layers=0, precision=prec, source=source)  # MTP: from the model
     if "params" not in spec or "layers" not in spec:
@@ -318,11 +341,13 @@ def drafter_from(spec: dict, where: str) -> Drafter:
     kv = spec.get("kv_bytes_per_token", "0 B")
     vocab = _int(spec["lm_head_vocab"], f"{where}.lm_head_vocab") if "lm_head_vocab" in spec else 0
     return Drafter(
-        params=float(u.parse_quantity(spec["params"], u.NUMBER, f"{where}.params")),
+        params=_positive(spec["params"], u.NUMBER, f"{where}.params"),
         layers=_int(spec["layers"], f"{where}.layers"),
         precision=prec,
-        kv_bytes_per_token=u.parse_quantity(kv, u.BYTES, f"{where}.kv_bytes_per_token"),
-        shares_target_lm_head=bool(spec.get("shares_target_lm_head", not vocab)),
+        kv_bytes_per_token=_at_least_0(kv, u.BYTES, f"{where}.kv_bytes_per_token"),
+        shares_target_lm_head=flag(
+            spec.get("shares_target_lm_head", not vocab), f"{where}.shares_target_lm_head"
+        ),
         source=source,
         lm_head_vocab=vocab,
     )
@@ -391,6 +416,10 @@ def _draft_steps(merged: dict, table: dict, policy: Policy, where: str) -> tuple
 
 
 def _hardware_ref(name: Any, hardware: dict[str, Hardware], where: str) -> Hardware:
+    if not isinstance(name, str):
+        raise ScenarioError(
+            f"{where}: expected a hardware name (a string like 'b300'), got {name!r:.60}"
+        )
     if name not in hardware:
         raise ScenarioError(
             f"{where}: unknown hardware {name!r}; known: {', '.join(sorted(hardware))} "
@@ -407,12 +436,7 @@ def _point(
     merged = {**ctx.deploy, **{k: v for k, v in table.items() if k in _DEPLOY}}
     if "hardware" not in table:
         raise ScenarioError(f"{where}: missing field 'hardware'")
-    raw_policy = merged.get("policy", DEFAULT_POLICY)
-    if raw_policy not in POLICIES:
-        raise ScenarioError(
-            f"{where}.policy: {raw_policy!r}; expected one of {', '.join(POLICIES)}"
-        )
-    policy = POLICIES[raw_policy]
+    policy = POLICIES[one_of(merged.get("policy", DEFAULT_POLICY), POLICIES, f"{where}.policy")]
     if not policy.needs_drafter:
         block = 1  # no drafter: one token per step
         budget = _int(table.get("budget", 0), f"{where}.budget", 0)
@@ -448,7 +472,7 @@ def _point(
             budget = _int(table["budget"], f"{where}.budget", policy.min_budget)
     ctx_raw = merged.get("context", "2048 tok")
     context = u.parse_quantity(
-        ctx_raw if not isinstance(ctx_raw, int) else f"{ctx_raw} tok", u.TOKENS, f"{where}.context"
+        f"{ctx_raw} tok" if type(ctx_raw) is int else ctx_raw, u.TOKENS, f"{where}.context"
     )
     if not (math.isfinite(context) and context >= 0):
         raise ScenarioError(f"{where}.context: {ctx_raw!r} must be >= 0 tokens")
@@ -477,6 +501,7 @@ def _point(
 def _host_cpu(raw: Any, hardware: Hardware, where: str) -> str:
     """A deployment's ``host_cpu`` (a class of ``data/hosts.toml``), else the hardware's."""
     hosts = load_hosts()
+    text(raw, where)
     for key in (raw, hardware.host_cpu):
         if key and key not in hosts:
             raise ScenarioError(f"{where}: {key!r}; known host classes: {', '.join(hosts)}")
@@ -502,9 +527,9 @@ def _deployment(raw: Any, tp: int, where: str) -> Deployment:
                 f"it must equal tp = {tp} (every GPU holds part of the experts)"
             )
         return mixed_deployment(moe_tp, moe_ep)
-    if raw not in DEPLOYMENTS:
+    if not isinstance(raw, str) or raw not in DEPLOYMENTS:
         raise ScenarioError(
-            f"{where}: {raw!r}; expected one of {', '.join(DEPLOYMENTS)} or a table "
+            f"{where}: {raw!r:.60}; expected one of {', '.join(DEPLOYMENTS)} or a table "
             '{ attention = "tp", moe_tp = 2, moe_ep = 4 }'
         )
     return DEPLOYMENTS[raw]
@@ -518,7 +543,7 @@ def _nodes(merged: dict, hardware: Hardware, tp: int, ctx: ParseContext, where: 
     raw = merged.get("inter_node")
     link = None
     if raw is not None:
-        if raw not in ctx.links:
+        if not isinstance(raw, str) or raw not in ctx.links:
             raise ScenarioError(
                 f"{where}.inter_node: {raw!r}; known links: {', '.join(ctx.links)} "
                 "(or define one under [link.NAME])"
@@ -573,22 +598,40 @@ def _tau(raw: Any, point: Point, where: str) -> Value:
         raise ScenarioError(f"{where}: missing field 'tau' (accepted tokens per step)")
     tau = _value(raw, u.TOKENS_PER_STEP, f"{where}.tau")
     low, high = (tau.low, tau.high) if isinstance(tau, Range) else (tau, tau)
-    top = point.policy.block(point.block_size)
+    block = point.policy.block(point.block_size)
+    # a tree of N nodes commits at most N accepted tokens plus the bonus
+    nodes = point.policy.budget(point.block_size, point.budget) if point.policy.needs_drafter else 0
+    top = min(block, nodes + 1)
     if not (math.isfinite(low) and math.isfinite(high)) or low < 1 or high > top:
+        if not point.policy.needs_drafter:
+            bound = f"1 for {point.policy}"
+        elif top < block:
+            bound = f"budget + 1 = {top} (a tree of {nodes} nodes commits at most {top} tokens)"
+        else:
+            bound = f"block_size = {top}"
         raise ScenarioError(
             f"{where}.tau: {raw!r} is outside [1, {top}]: tau counts the accepted drafted "
-            f"tokens plus the bonus token, so 1 <= tau <= "
-            + (f"block_size = {top}" if point.policy.needs_drafter else f"1 for {point.policy}")
+            f"tokens plus the bonus token, so 1 <= tau <= {bound}"
         )
     return tau
+
+
+MIN_ANCHOR_NOISE = 1e-3
+"""No measurement of a decode speed is known to better than 0.1% (the fit weighs an anchor by
+1 / noise^2: a denormal noise made the calibration's SVD fail)."""
 
 
 def noise_of(raw: Any, where: str) -> float:
     if raw is None:
         return DEFAULT_ANCHOR_NOISE
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < 1:
+    if (
+        isinstance(raw, bool)
+        or not isinstance(raw, (int, float))
+        or not MIN_ANCHOR_NOISE <= raw < 1
+    ):
         raise ScenarioError(
-            f"{where}.noise: expected a relative 1-sigma noise in (0, 1) like 0.03, got {raw!r}"
+            f"{where}.noise: expected a relative 1-sigma noise in [{MIN_ANCHOR_NOISE:g}, 1) like "
+            f"0.03, got {raw!r}"
         )
     return float(raw)
 
@@ -610,11 +653,12 @@ def _param_entry(name: str, raw: Any, spec: ParamSpec, where: str):
     dim = _PARAM_DIMS[spec.unit]
     if isinstance(raw, dict):
         check_keys(raw, {"value", "range", "fit", "source"}, where)
+        text(raw.get("source", ""), f"{where}.source")
         value = _positive(raw["value"], dim, f"{where}.value") if "value" in raw else None
         rng = _value(raw["range"], dim, f"{where}.range") if "range" in raw else None
         if rng is not None and not isinstance(rng, Range):
             raise ScenarioError(f"{where}.range: expected [low, high]")
-        fit = bool(raw.get("fit", spec.fit))
+        fit = flag(raw.get("fit", spec.fit), f"{where}.fit")
     else:
         v = _value(raw, dim, where)
         value, rng, fit = (None, v, spec.fit) if isinstance(v, Range) else (v, None, False)
@@ -654,15 +698,36 @@ def load_scenario(
         raise ScenarioError(msg if msg.startswith(where) else f"{where}: {msg}") from None
 
 
+_TABLES = ("model", "drafter", "deployment", "hardware", "link", "engine", "parameters",
+           "report", "records")  # fmt: skip
+_ARRAYS = ("anchor", "scenario")
+
+
+def _sections(data: dict, where: str) -> None:
+    """Each top-level section is of its kind: ``title`` a string, ``[model]`` ... tables,
+    ``[[anchor]]`` and ``[[scenario]]`` arrays of tables."""
+    check_keys(data, {"title", *_TABLES, *_ARRAYS}, where)
+    if "title" in data:
+        text(data["title"], f"{where}: title")
+    for name in _TABLES:
+        if name in data and not isinstance(data[name], dict):
+            raise ScenarioError(
+                f"{where}: {name} must be a table ([{name}]), got {type_name(data[name])}"
+            )
+    for name in _ARRAYS:
+        if name in data and not (
+            isinstance(data[name], list) and all(isinstance(x, dict) for x in data[name])
+        ):
+            raise ScenarioError(
+                f"{where}: {name} must be an array of tables ([[{name}]]), got "
+                f"{type_name(data[name])}"
+            )
+
+
 def _parse(
     data: dict, where: str, base_dir: Path, records_hw: dict, allow_oversubscribe: bool = False
 ) -> ScenarioFile:
-    check_keys(
-        data,
-        {"title", "model", "drafter", "deployment", "hardware", "link", "engine", "parameters",
-         "anchor", "scenario", "report", "records"},
-        where,
-    )  # fmt: skip
+    _sections(data, where)
     if "model" not in data:
         raise ScenarioError(f"{where}: missing [model] (preset = ... or config = ...)")
     model = load_model(data["model"], where, base_dir)
@@ -678,7 +743,7 @@ def _parse(
         base = engines.get(name, ENGINES["eager"])
         times = {f"{f}_s": _positive(entry[f], u.TIME, f"{w}.{f}") for f in ENGINE_PARAMS
                  if f in entry}  # fmt: skip
-        about = str(entry.get("about", base.about))
+        about = text(entry.get("about", base.about), f"{w}.about")
         engines[name] = replace(base, name=name, about=about, **times)
     specs = default_params(engines)
     fixed = {}
@@ -703,13 +768,15 @@ def _parse(
     for i, s in enumerate(data.get("scenario") or []):
         cases.append(_case(s, i, ctx, specs, names, model))
     report = data.get("report") or {}
-    sweep = list(report.get("hardware", []))
+    check_keys(report, {"hardware"}, f"{where}: report")
+    sweep = strings(report.get("hardware", []), f"{where}: report.hardware")
     for h in sweep:
         _hardware_ref(h, hardware, f"{where}: report.hardware")
     recs = data.get("records") or {}
+    check_keys(recs, {"paths"}, f"{where}: records")
     return ScenarioFile(
         path=where,
-        title=str(data.get("title", Path(where).stem)),
+        title=data.get("title", Path(where).stem),
         model=model,
         drafter=drafter,
         hardware=hardware,
@@ -719,7 +786,9 @@ def _parse(
         anchors=anchors,
         cases=cases,
         sweep_hardware=sweep,
-        records=[str(base_dir / p) for p in recs.get("paths", [])],
+        records=[
+            str(base_dir / p) for p in strings(recs.get("paths", []), f"{where}: records.paths")
+        ],
         notes=ctx.notes,
         deployment=dict(deploy),
         links=links,
@@ -735,9 +804,7 @@ _FIGURE_FIELDS = {"tpot": ("tokens_per_s", "step", "tpot"), "itl": ("itl",),
 
 
 def _metric(a: dict, where: str) -> Metric:
-    kind = str(a.get("metric", "tpot"))
-    if kind not in METRICS:
-        raise ScenarioError(f"{where}.metric: {kind!r}; expected one of {', '.join(METRICS)}")
+    kind = one_of(a.get("metric", "tpot"), METRICS, f"{where}.metric")
     e2e_fields = ("prompt_tokens", "output_tokens", "counts_prompt", "ttft")
     if kind != "e2e_tokens_per_s":
         extra = [f for f in e2e_fields if f in a]
@@ -753,7 +820,8 @@ def _metric(a: dict, where: str) -> Metric:
     prompt = _int(a["prompt_tokens"], f"{where}.prompt_tokens", 0)
     output = _int(a["output_tokens"], f"{where}.output_tokens", 2)
     ttft = _positive(a["ttft"], u.TIME, f"{where}.ttft") if "ttft" in a else None
-    return Metric(kind, prompt, output, bool(a.get("counts_prompt", False)), ttft)
+    counts = flag(a.get("counts_prompt", False), f"{where}.counts_prompt")
+    return Metric(kind, prompt, output, counts, ttft)
 
 
 def step_anchor(
@@ -809,9 +877,9 @@ def _anchor(a, i: int, model: ModelShape, ctx: ParseContext) -> Anchor:
     if not isinstance(a, dict):
         raise ScenarioError(f"{w}: must be a table ([[anchor]])")
     kind = a.get("kind", "step")
-    name = str(a.get("name", f"anchor{i}"))
+    name = text(a.get("name", f"anchor{i}"), f"{w}.name")
     w = f"{where}: anchor[{i}] ({name})"
-    source = str(a.get("source", ""))
+    source = text(a.get("source", ""), f"{w}.source")
     noise = noise_of(a.get("noise"), w)
     if kind == "step":
         check_keys(a, STEP_ANCHOR_KEYS | {"kind", "name", "source", "noise"}, w)
@@ -821,6 +889,11 @@ def _anchor(a, i: int, model: ModelShape, ctx: ParseContext) -> Anchor:
         for key in ("hardware", "m", "time"):
             if key not in a:
                 raise ScenarioError(f"{w}: missing field '{key}'")
+        if not model.n_routed_experts:
+            raise ScenarioError(
+                f"{w}.kind: a moe_layer anchor times the routed experts; {model.name} is dense "
+                "(no routed experts): use a step anchor"
+            )
         return MoeAnchor(
             name,
             model,
@@ -837,10 +910,10 @@ def _anchor(a, i: int, model: ModelShape, ctx: ParseContext) -> Anchor:
 def _case(
     s, i: int, ctx: ParseContext, specs: dict[str, ParamSpec], anchor_names, model: ModelShape
 ) -> ScenarioCase:
-    name = str(s.get("name", f"scenario{i}"))
-    w = f"{ctx.where}: scenario[{i}] ({name})"
     if not isinstance(s, dict):
         raise ScenarioError(f"{ctx.where}: scenario[{i}] must be a table ([[scenario]])")
+    name = text(s.get("name", f"scenario{i}"), f"{ctx.where}: scenario[{i}].name")
+    w = f"{ctx.where}: scenario[{i}] ({name})"
     check_keys(
         s,
         {"name", "question", "hardware", "block_size", "budget", "tau", "anchors", "parameters",
@@ -863,11 +936,12 @@ def _case(
         tau = _tau(s.get("tau"), point, w)
     anchors = s.get("anchors")
     if anchors is not None:
+        strings(anchors, f"{w}.anchors")
         bad = [a for a in anchors if a not in anchor_names]
         if bad:
             raise ScenarioError(f"{w}.anchors: unknown {bad}; anchors are {anchor_names}")
     overrides: dict[str, Value] = {}
-    for pname, raw in (s.get("parameters") or {}).items():
+    for pname, raw in table(s.get("parameters", {}), f"{w}.parameters").items():
         if pname not in specs:
             raise ScenarioError(f"{w}.parameters.{pname}: unknown; known: {', '.join(specs)}")
         v = _value(raw, _PARAM_DIMS[specs[pname].unit], f"{w}.parameters.{pname}")
@@ -877,17 +951,17 @@ def _case(
         overrides[pname] = v
     article = None
     if "article" in s:
-        art = s["article"]
         aw = f"{w}.article"
+        art = table(s["article"], aw)
         check_keys(art, {"tokens_per_s", "step", "moe", "note"}, aw)
         article = Article(
-            tokens_per_s=_value(art["tokens_per_s"], u.TOKEN_RATE, f"{aw}.tokens_per_s")
+            tokens_per_s=_rate_or_range(art["tokens_per_s"], f"{aw}.tokens_per_s")
             if "tokens_per_s" in art
             else None,
             step_s=_positive(art["step"], u.STEP_TIME, f"{aw}.step") if "step" in art else None,
             moe_s=_positive(art["moe"], u.STEP_TIME, f"{aw}.moe") if "moe" in art else None,
-            note=str(art.get("note", "")),
+            note=text(art.get("note", ""), f"{aw}.note"),
         )
-    question = str(s.get("question", ""))
+    question = text(s.get("question", ""), f"{w}.question")
     ctx.check(model, point, w)
     return ScenarioCase(name, point, tau, anchors, overrides, article, question, tau_source)

@@ -24,3 +24,49 @@ class Range:
 
 
 Value = float | Range
+
+
+# ---- the type of a field as TOML gives it: one check per kind, naming the field -------------
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+               list: "a list", dict: "a table"}  # fmt: skip
+
+
+def type_name(raw: object) -> str:
+    """What a TOML value is, in words: ``a table``, ``a list``, ``a string``, ..."""
+    return _TYPE_NAMES.get(type(raw), f"a {type(raw).__name__}")
+
+
+def text(raw: object, where: str) -> str:
+    """A field that must be a string (a name, a note, a source)."""
+    if not isinstance(raw, str):
+        raise ScenarioError(f"{where}: expected a string, got {type_name(raw)} ({raw!r:.60})")
+    return raw
+
+
+def table(raw: object, where: str) -> dict:
+    """A field that must be a TOML table."""
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{where}: expected a table, got {type_name(raw)} ({raw!r:.60})")
+    return raw
+
+
+def flag(raw: object, where: str) -> bool:
+    """A field that must be true or false."""
+    if not isinstance(raw, bool):
+        raise ScenarioError(f"{where}: expected true or false, got {type_name(raw)} ({raw!r:.60})")
+    return raw
+
+
+def strings(raw: object, where: str) -> list[str]:
+    """A field that must be a list of strings."""
+    if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+        raise ScenarioError(f"{where}: expected a list of strings, got {raw!r:.60}")
+    return raw
+
+
+def one_of(raw: object, choices, where: str, what: str = "one of") -> str:
+    """A name that must be a string and one of ``choices`` (a policy, an engine, a link)."""
+    if not isinstance(raw, str) or raw not in choices:
+        raise ScenarioError(f"{where}: {raw!r:.60}; expected {what} {', '.join(choices)}")
+    return raw
