@@ -13,6 +13,7 @@ from ddtree.commands._args import (
     add_alias,
     add_dtype_argument,
     add_threads_argument,
+    device,
     int_list,
     non_negative_float,
     non_negative_int,
@@ -45,7 +46,10 @@ def add_model_arguments(p: argparse.ArgumentParser, default_demo: bool) -> None:
     )
     add_dtype_argument(p, "float32", "weights and activations")
     p.add_argument(
-        "--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)"
+        "--device",
+        type=device(),
+        default="cpu",
+        help="torch device, e.g. cpu, cuda or cuda:1 (default: %(default)s)",
     )
     add_threads_argument(p)
     tp = p.add_argument(

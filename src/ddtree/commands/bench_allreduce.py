@@ -13,6 +13,7 @@ from ddtree.commands._args import (
     add_json_argument,
     add_threads_argument,
     chosen_threads,
+    device,
     int_in,
     int_list,
     non_negative_int,
@@ -50,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dtype_argument(p, "bfloat16", "activations all-reduced")
     p.add_argument(
         "--device",
+        type=device(("cpu", "cuda"), indexed=False),
         default="cpu",
-        choices=("cpu", "cuda"),
         help="cpu (gloo) or cuda (NCCL, one GPU per rank) (default: %(default)s)",
     )
     p.add_argument(
