@@ -13,6 +13,8 @@ from ddtree.commands._args import (
     add_alias,
     add_dtype_argument,
     add_threads_argument,
+    check_text,
+    decode_text,
     device,
     int_list,
     non_negative_float,
@@ -235,16 +237,21 @@ def checkpoint_dtype(path: Path) -> str | None:
 
 def demo_prompts(path: Path | None = None) -> list[str]:
     """Held-out prompts (JSON list of strings), by default the demo pair's."""
+    what = f"--prompts {path}" if path else str(DEMO_DIR / "prompts.json")
     path = path or DEMO_DIR / "prompts.json"
     try:
-        prompts = json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
-        raise SystemExit(f"error: {path}: prompts file not found") from None
+        raise ValueError(f"{what}: prompts file not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what}: a folder; expected a JSON file") from None
+    try:
+        prompts = json.loads(decode_text(data, what))
     except json.JSONDecodeError as e:
-        raise SystemExit(f"error: {path}: not JSON ({e})") from None
+        raise ValueError(f"{what}: not JSON ({e})") from None
     if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts):
-        raise SystemExit(f"error: {path}: expected a JSON list of non-empty strings")
-    return prompts
+        raise ValueError(f"{what}: expected a JSON list of non-empty strings")
+    return [check_text(p, f"{what}: prompt {i}") for i, p in enumerate(prompts)]
 
 
 def summary_tables(points, title: str):
