@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -24,7 +25,7 @@ from ddtree.commands._args import (
     seed,
     set_threads,
 )
-from ddtree.vocab import DEFAULT_POLICY, POLICIES, EngineMode, policies_help
+from ddtree.vocab import DEFAULT_POLICY, POLICIES, Drafting, EngineMode, policies_help
 
 DEMO_DIR = Path(str(files("ddtree") / "assets" / "demo"))
 # ddtree.models.TARGET_IMPLS' names (not imported here: it imports torch; a test keeps them equal)
@@ -111,6 +112,24 @@ def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
         help="compiled mode: verify width buckets, e.g. 1,16,64 (default: each policy's width "
         "M, nothing padded; the widest also sets the prefill chunk)",
     )
+
+
+def policy_list(replay: bool = False) -> Callable[[str], list[str]]:
+    """An argparse type: "chain,ddtree" -> ["chain", "ddtree"], a non-empty list of known
+    policies (``replay``: those a trace replays, which draft every depth from one block)."""
+    known = [n for n, p in POLICIES.items() if not replay or p.drafting is Drafting.BLOCK]
+
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        if not names or any(n not in known for n in names):
+            why = " (those a trace replays)" if replay else ""
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {', '.join(known)}{why}, got {text!r}"
+            )
+        return list(dict.fromkeys(names))
+
+    parse.__name__ = "policy list"
+    return parse
 
 
 def engine_modes(text: str) -> list[str]:
