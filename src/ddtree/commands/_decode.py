@@ -25,7 +25,15 @@ from ddtree.commands._args import (
     seed,
     set_threads,
 )
-from ddtree.vocab import DEFAULT_POLICY, POLICIES, Drafting, EngineMode, policies_help
+from ddtree.vocab import (
+    DEFAULT_POLICY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    POLICIES,
+    Drafting,
+    EngineMode,
+    policies_help,
+)
 
 DEMO_DIR = Path(str(files("ddtree") / "assets" / "demo"))
 # ddtree.models.TARGET_IMPLS' names (not imported here: it imports torch; a test keeps them equal)
@@ -90,6 +98,28 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def temperature(text: str) -> float:
+    """An argparse type: 0 (greedy) or a finite temperature >= ``MIN_TEMPERATURE``."""
+    value = non_negative_float(text)
+    if 0 < value < MIN_TEMPERATURE:
+        raise argparse.ArgumentTypeError(
+            f"expected 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {text!r} "
+            "(smaller ones overflow float32 logits / temperature into NaN)"
+        )
+    return value
+
+
+def top_p(text: str) -> float:
+    """An argparse type: a probability in (0, 1] that float32 holds (>= ``MIN_TOP_P``)."""
+    value = probability(text)
+    if value < MIN_TOP_P:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite probability in {MIN_TOP_P:g}..1, got {text!r} (smaller ones "
+            "round to 0 in float32 and drop every token)"
+        )
+    return value
+
+
 def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--block", type=positive_int, default=8, help="block size B (drafter slots)")
     p.add_argument(
@@ -98,9 +128,9 @@ def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
         default=32,
         help="DDTree budget N, non-root nodes (default: %(default)s)",
     )
-    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sampling top-k (0: off)")
-    p.add_argument("--top-p", type=probability, default=1.0, help="sampling top-p (1: off)")
+    p.add_argument("--top-p", type=top_p, default=1.0, help="sampling top-p (1: off)")
     p.add_argument("--seed", type=seed, default=0, help="sampling seed")
     p.add_argument(
         "--max-new-tokens", type=positive_int, default=max_new_tokens, help="tokens per prompt"
