@@ -38,6 +38,9 @@ from ddtree.errors import DistributedError
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_READY_TIMEOUT_S = 900.0  # as torchrun's own rendezvous timeout
+# The least collective timeout a command takes: the group forms within it too (gloo counts it in
+# whole milliseconds; 1e-9 s was 0 ms, a group that never forms).
+MIN_TIMEOUT_S = 1.0
 LOCALHOST = "127.0.0.1"
 # Seconds to wait for a spawned rank's exit code when explaining a failed collective.
 EXIT_GRACE_S = 2.0

@@ -10,6 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+# The least sampling temperature and top-p: the sampler computes in float32 (max 3.4e38,
+# smallest normal 1.2e-38). Below MIN_TEMPERATURE, logits / temperature overflow to inf for
+# logits past 3.4e8 and then decode NaN garbage (1e-45 does for every logit); below MIN_TOP_P,
+# top-p rounds to a subnormal or to 0 (1e-300), which drops every token. Greedy is 0.
+MIN_TEMPERATURE = 1e-30
+MIN_TOP_P = 1e-30
+
 
 class Stage(StrEnum):
     """A timed stage. A decode step runs ``STEP_STAGES`` in order; ``prefill`` is the target

@@ -65,5 +65,7 @@ def test_a_trace_checked_against_other_models_is_refused(trace_path, tmp_path, c
     assert main(["replay", "tau", str(tmp_path / "none.safetensors")]) == 2
     assert "no such trace file" in capsys.readouterr().err
     argv = ["replay", "tau", str(trace_path), "--policies", "ar"]
-    assert main(argv + ["--records", str(tmp_path / "a.jsonl")]) == 2
-    assert "replay takes chain, ddtree" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse: --policies is checked when read
+        main(argv + ["--records", str(tmp_path / "a.jsonl")])
+    assert exit_.value.code == 2
+    assert "chain, ddtree (those a trace replays), got 'ar'" in capsys.readouterr().err

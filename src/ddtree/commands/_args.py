@@ -307,3 +307,113 @@ def add_alias(p: argparse.ArgumentParser, action: argparse.Action, alias: str) -
         default=argparse.SUPPRESS,
         help=argparse.SUPPRESS,
     )
+
+
+# ---- --device: one check of the string and of this machine, for every command ---------------
+
+DEVICE_KINDS = ("cpu", "cuda", "mps", "xpu")  # where a command can run; meta holds no data
+
+
+def machine_devices() -> list[str]:
+    """The devices torch can use on this machine: ``cpu``, then ``cuda:0..`` (and ``mps``,
+    ``xpu:0..`` where present)."""
+    import torch
+
+    names = ["cpu"]
+    if torch.cuda.is_available():
+        names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        names.append("mps")
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        names += [f"xpu:{i}" for i in range(xpu.device_count())]
+    return names
+
+
+def _device_count(kind: str) -> int:
+    import torch
+
+    if kind == "cpu":
+        return 1
+    if kind == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        return int(mps is not None and mps.is_available())
+    module = getattr(torch, kind, None)
+    return module.device_count() if module is not None and module.is_available() else 0
+
+
+def device_problem(text: str, kinds: tuple[str, ...] = DEVICE_KINDS, indexed: bool = True):
+    """Why ``text`` is not a device this command can run on here, or None when it is."""
+    import torch
+
+    if not text.strip():
+        return "an empty device"
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        return "not a torch device"
+    if dev.type == "meta":
+        return "meta tensors hold no data, so nothing can run there"
+    if dev.type not in kinds:
+        return f"this command runs on {' or '.join(kinds)}"
+    if dev.index is not None and not indexed:
+        return f"this command takes {dev.type} without an index"
+    count = _device_count(dev.type)
+    if count == 0:
+        if dev.type == "cuda" and not torch.backends.cuda.is_built():
+            return "this torch is built without CUDA"
+        return f"torch sees no {dev.type.upper()} device on this machine"
+    if dev.index is not None and dev.index >= count:
+        return f"torch sees {count} {dev.type.upper()} device{'s' if count > 1 else ''}"
+    return None
+
+
+def device(
+    kinds: tuple[str, ...] = DEVICE_KINDS, auto: bool = False, indexed: bool = True
+) -> Callable[[str], str]:
+    """An argparse type: a torch device of one of ``kinds`` that this machine has (``cuda:7``
+    only with 8 GPUs), or ``auto`` where the command takes it. The default ``cpu`` is accepted
+    without importing torch. The error lists the devices this machine has."""
+
+    def parse(text: str) -> str:
+        if text == "cpu" or (auto and text == "auto"):
+            return text
+        why = device_problem(text, kinds, indexed)
+        if why is None:
+            return text
+        have = [d for d in machine_devices() if d.split(":")[0] in kinds]
+        if not indexed:
+            have = list(dict.fromkeys(d.split(":")[0] for d in have))
+        have = (["auto"] if auto else []) + have
+        raise argparse.ArgumentTypeError(
+            f"expected a device this machine has ({', '.join(have)}), got {text!r}: {why}"
+        )
+
+    parse.__name__ = "device"
+    return parse
+
+
+# ---- text a user gives (prompts, messages): UTF-8, checked before any tokenizer sees it -----
+
+
+def decode_text(data: bytes, what: str) -> str:
+    """``data`` as UTF-8 text, or a ValueError naming ``what`` (a file) and the byte offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` once it holds no lone surrogate: how the command line carries bytes that are not
+    UTF-8 (surrogateescape), and what a JSON ``\\udcff`` escape decodes to. Tokenizers cannot
+    take them (a TypeError deep inside). A ValueError names ``what`` and the character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what}: not valid UTF-8 text (a lone surrogate or undecodable byte, "
+            f"{ascii(text[e.start])}, at character {e.start})"
+        ) from None
+    return text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -13,6 +14,9 @@ from ddtree.commands._args import (
     add_alias,
     add_dtype_argument,
     add_threads_argument,
+    check_text,
+    decode_text,
+    device,
     int_list,
     non_negative_float,
     non_negative_int,
@@ -21,7 +25,15 @@ from ddtree.commands._args import (
     seed,
     set_threads,
 )
-from ddtree.vocab import DEFAULT_POLICY, POLICIES, EngineMode, policies_help
+from ddtree.vocab import (
+    DEFAULT_POLICY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    POLICIES,
+    Drafting,
+    EngineMode,
+    policies_help,
+)
 
 DEMO_DIR = Path(str(files("ddtree") / "assets" / "demo"))
 # ddtree.models.TARGET_IMPLS' names (not imported here: it imports torch; a test keeps them equal)
@@ -45,7 +57,10 @@ def add_model_arguments(p: argparse.ArgumentParser, default_demo: bool) -> None:
     )
     add_dtype_argument(p, "float32", "weights and activations")
     p.add_argument(
-        "--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)"
+        "--device",
+        type=device(),
+        default="cpu",
+        help="torch device, e.g. cpu, cuda or cuda:1 (default: %(default)s)",
     )
     add_threads_argument(p)
     tp = p.add_argument(
@@ -83,6 +98,28 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def temperature(text: str) -> float:
+    """An argparse type: 0 (greedy) or a finite temperature >= ``MIN_TEMPERATURE``."""
+    value = non_negative_float(text)
+    if 0 < value < MIN_TEMPERATURE:
+        raise argparse.ArgumentTypeError(
+            f"expected 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {text!r} "
+            "(smaller ones overflow float32 logits / temperature into NaN)"
+        )
+    return value
+
+
+def top_p(text: str) -> float:
+    """An argparse type: a probability in (0, 1] that float32 holds (>= ``MIN_TOP_P``)."""
+    value = probability(text)
+    if value < MIN_TOP_P:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite probability in {MIN_TOP_P:g}..1, got {text!r} (smaller ones "
+            "round to 0 in float32 and drop every token)"
+        )
+    return value
+
+
 def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--block", type=positive_int, default=8, help="block size B (drafter slots)")
     p.add_argument(
@@ -91,9 +128,9 @@ def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
         default=32,
         help="DDTree budget N, non-root nodes (default: %(default)s)",
     )
-    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sampling top-k (0: off)")
-    p.add_argument("--top-p", type=probability, default=1.0, help="sampling top-p (1: off)")
+    p.add_argument("--top-p", type=top_p, default=1.0, help="sampling top-p (1: off)")
     p.add_argument("--seed", type=seed, default=0, help="sampling seed")
     p.add_argument(
         "--max-new-tokens", type=positive_int, default=max_new_tokens, help="tokens per prompt"
@@ -105,6 +142,24 @@ def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
         help="compiled mode: verify width buckets, e.g. 1,16,64 (default: each policy's width "
         "M, nothing padded; the widest also sets the prefill chunk)",
     )
+
+
+def policy_list(replay: bool = False) -> Callable[[str], list[str]]:
+    """An argparse type: "chain,ddtree" -> ["chain", "ddtree"], a non-empty list of known
+    policies (``replay``: those a trace replays, which draft every depth from one block)."""
+    known = [n for n, p in POLICIES.items() if not replay or p.drafting is Drafting.BLOCK]
+
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        if not names or any(n not in known for n in names):
+            why = " (those a trace replays)" if replay else ""
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {', '.join(known)}{why}, got {text!r}"
+            )
+        return list(dict.fromkeys(names))
+
+    parse.__name__ = "policy list"
+    return parse
 
 
 def engine_modes(text: str) -> list[str]:
@@ -235,16 +290,21 @@ def checkpoint_dtype(path: Path) -> str | None:
 
 def demo_prompts(path: Path | None = None) -> list[str]:
     """Held-out prompts (JSON list of strings), by default the demo pair's."""
+    what = f"--prompts {path}" if path else str(DEMO_DIR / "prompts.json")
     path = path or DEMO_DIR / "prompts.json"
     try:
-        prompts = json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
-        raise SystemExit(f"error: {path}: prompts file not found") from None
+        raise ValueError(f"{what}: prompts file not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what}: a folder; expected a JSON file") from None
+    try:
+        prompts = json.loads(decode_text(data, what))
     except json.JSONDecodeError as e:
-        raise SystemExit(f"error: {path}: not JSON ({e})") from None
+        raise ValueError(f"{what}: not JSON ({e})") from None
     if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts):
-        raise SystemExit(f"error: {path}: expected a JSON list of non-empty strings")
-    return prompts
+        raise ValueError(f"{what}: expected a JSON list of non-empty strings")
+    return [check_text(p, f"{what}: prompt {i}") for i, p in enumerate(prompts)]
 
 
 def summary_tables(points, title: str):

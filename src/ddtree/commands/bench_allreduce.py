@@ -13,10 +13,11 @@ from ddtree.commands._args import (
     add_json_argument,
     add_threads_argument,
     chosen_threads,
+    device,
+    float_in,
     int_in,
     int_list,
     non_negative_int,
-    positive_float,
     positive_int,
     records_file,
     set_threads,
@@ -26,7 +27,7 @@ from ddtree.commands._args import (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ddtree.bench.allreduce import DEFAULT_HIDDEN, DEFAULT_MS
-    from ddtree.distributed import DEFAULT_TIMEOUT_S
+    from ddtree.distributed import DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S
 
     tp = p.add_argument(
         "--tp",
@@ -50,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dtype_argument(p, "bfloat16", "activations all-reduced")
     p.add_argument(
         "--device",
+        type=device(("cpu", "cuda"), indexed=False),
         default="cpu",
-        choices=("cpu", "cuda"),
         help="cpu (gloo) or cuda (NCCL, one GPU per rank) (default: %(default)s)",
     )
     p.add_argument(
@@ -66,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threads_argument(p, what="torch CPU threads per rank")
     p.add_argument(
         "--timeout",
-        type=positive_float,
+        type=float_in(MIN_TIMEOUT_S, what="a number of seconds"),
         default=DEFAULT_TIMEOUT_S,
         help="seconds one collective may take before the group fails (default: %(default)s)",
     )
@@ -76,10 +77,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json_argument(p)
 
 
+# Of the memory available, what the messages may take (gloo and NCCL keep buffers of their own).
+MEMORY_SHARE = 0.8
+
+
 def _check(args: argparse.Namespace) -> None:
+    """What would fail once the ranks run, refused before the group forms."""
+    import os
+
+    import torch
+
+    from ddtree.models.presets import available_bytes
+
     if len(set(args.m)) < 2:
         raise ValueError(
             f"--m needs >= 2 distinct widths (to fit latency and bandwidth), got {args.m}"
+        )
+    # every rank holds one message of M x hidden at a time; on the CPU all ranks of this host
+    # share its memory, on CUDA each has its GPU
+    per_rank = max(args.m) * args.hidden * getattr(torch, args.dtype).itemsize
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", args.tp)) if args.device == "cpu" else 1
+    have = available_bytes(torch.device(args.device))
+    if per_rank * here > MEMORY_SHARE * have:
+        raise ValueError(
+            f"--m {max(args.m)}: a message of {max(args.m)} x {args.hidden} {args.dtype} is "
+            f"{per_rank / 1e9:,.1f} GB per rank, {here} rank{'s' if here > 1 else ''} on "
+            f"{args.device} need {per_rank * here / 1e9:,.1f} GB and it has "
+            f"{have / 1e9:,.1f} GB available; ask for smaller --m or --hidden"
         )
 
 

@@ -10,6 +10,7 @@ from ddtree.commands._args import (
     add_dtype_argument,
     add_json_argument,
     add_threads_argument,
+    device,
     int_list,
     positive_int,
     records_file,
@@ -32,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads (Qwen3-8B: 8)")
     p.add_argument("--head-dim", type=positive_int, default=128, help="head dim (default 128)")
     add_dtype_argument(p, "bfloat16", "queries, keys and values")
-    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument(
+        "--device", type=device(), default="cpu", help="torch device (default: %(default)s)"
+    )
     p.add_argument(
         "--repeats", type=positive_int, default=10, help="timed calls per point (default: 10)"
     )

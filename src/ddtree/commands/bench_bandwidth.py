@@ -8,6 +8,7 @@ import json
 from ddtree.commands._args import (
     add_json_argument,
     add_threads_argument,
+    device,
     int_list_upto,
     non_negative_int,
     positive_int,
@@ -32,8 +33,8 @@ def _methods(text: str) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
+        type=device(("cpu", "cuda"), auto=True, indexed=False),
         default="auto",
-        choices=("auto", "cpu", "cuda"),
         help="auto: the CPU, and CUDA when torch sees it (default auto)",
     )
     p.add_argument(

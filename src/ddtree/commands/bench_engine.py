@@ -14,6 +14,7 @@ from ddtree.commands._decode import (
     demo_prompts,
     engine_modes,
     load_models,
+    policy_list,
     regime_lines,
     summary_tables,
 )
@@ -23,7 +24,10 @@ from ddtree.vocab import get_policy, policies_help
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, default_demo=True)
     p.add_argument(
-        "--policies", default="ar,chain,ddtree", help=f"comma-separated, of {policies_help()}"
+        "--policies",
+        type=policy_list(),
+        default="ar,chain,ddtree",
+        help=f"comma-separated, of {policies_help()}",
     )
     p.add_argument(
         "--budgets", type=int_list, default=[8, 16, 32, 64, 128], help="DDTree budgets N"
@@ -51,7 +55,7 @@ def add_engine_modes_argument(p: argparse.ArgumentParser, default: str) -> None:
 
 
 def configs_from_args(args: argparse.Namespace):
-    policies = [x for x in args.policies.split(",") if x]
+    policies = args.policies
     return [
         decode_config(args, policy, n, engine_mode=mode)
         for mode in args.engine_modes

@@ -13,6 +13,7 @@ from ddtree.commands._args import (
     add_json_argument,
     add_renamed,
     add_threads_argument,
+    device,
     int_list,
     non_negative_int,
     positive_float,
@@ -68,8 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--device",
+        type=device(("cpu", "cuda"), auto=True, indexed=False),
         default="auto",
-        choices=("auto", "cpu", "cuda"),
         help="auto: CUDA when torch sees it, else the CPU",
     )
     p.add_argument(
@@ -172,11 +173,8 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.provenance import this_hardware
     from ddtree.records import RecordError, write_records
 
-    if args.device == "auto":
+    if args.device == "auto":  # --device is one this machine has (the argument's type)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: torch sees no CUDA device on this machine", file=sys.stderr)
-        return 2
     else:
         device = args.device
     set_threads(args)

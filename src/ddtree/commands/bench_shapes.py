@@ -17,6 +17,7 @@ from ddtree.commands._args import (
     add_dtype_argument,
     add_json_argument,
     add_threads_argument,
+    device,
     int_list,
     positive_int,
     records_file,
@@ -37,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model shape (published config.json; see ddtree/assets/presets) (default %(default)s)",
     )
     add_dtype_argument(p, "bfloat16", "weights and activations")
-    p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
+    p.add_argument(
+        "--device", type=device(), default="cpu", help="torch device (default %(default)s)"
+    )
     p.add_argument(
         "--engine-modes",
         default="eager,compiled",

@@ -9,6 +9,7 @@ import json
 from ddtree.commands._args import (
     add_json_argument,
     add_threads_argument,
+    device,
     int_list,
     non_negative_int,
     positive_int,
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threads_argument(p, what="torch CPU threads (the tree core itself is single-threaded)")
     p.add_argument(
         "--device",
+        type=device(),
         default="cpu",
         help="where top-k and the batched builder run, e.g. cuda (the heap backends run on "
         "the host, as the engine runs them) (default %(default)s)",

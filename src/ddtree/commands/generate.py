@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from ddtree.commands._args import records_file, threads_label
+from ddtree.commands._args import check_text, decode_text, records_file, threads_label
 from ddtree.commands._decode import (
     add_decode_arguments,
     add_model_arguments,
@@ -68,10 +68,7 @@ def _read(path: str, what: str) -> str:
             data, name = Path(path).read_bytes(), path
         except IsADirectoryError:
             raise ValueError(f"{what} {path}: a folder; expected a file") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{what} {name}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    text = decode_text(data, f"{what} {name}")
     if not text:
         raise ValueError(f"{what} {name}: empty; expected a prompt")
     return text
@@ -102,6 +99,8 @@ def read_messages(text: str, name: str) -> list[dict[str, str]]:
             error = e.errors()[0]
             where = ".".join(str(x) for x in error["loc"]) or "message"
             raise ValueError(f"--messages {name}: message {i}: {where}: {error['msg']}") from None
+        for key, value in out[-1].items():  # a JSON "\udcff" escape is a lone surrogate
+            check_text(value, f"--messages {name}: message {i}: {key}")
     return out
 
 
@@ -110,11 +109,7 @@ def prompt_text(args: argparse.Namespace) -> str:
         return _read(args.prompt_file, "--prompt-file")
     if not args.prompt:
         raise ValueError("--prompt: empty; expected a prompt")
-    try:  # the command line's undecodable bytes arrive as lone surrogates
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("--prompt: not valid UTF-8 text") from None
-    return args.prompt
+    return check_text(args.prompt, "--prompt")  # undecodable bytes arrive as lone surrogates
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,14 +7,19 @@ import argparse
 from pathlib import Path
 
 from ddtree.commands._args import int_list, non_negative_int, threads_label
-from ddtree.commands._decode import add_model_arguments, load_models
+from ddtree.commands._decode import add_model_arguments, load_models, policy_list
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", type=Path, help="trace file from `ddtree replay record`")
     add_model_arguments(p, default_demo=True)
     p.add_argument("--budgets", type=int_list, default=[1, 4, 16, 64], help="DDTree budgets N")
-    p.add_argument("--policies", default="chain,ddtree", help="comma-separated: chain,ddtree")
+    p.add_argument(
+        "--policies",
+        type=policy_list(replay=True),
+        default="chain,ddtree",
+        help="comma-separated: chain,ddtree",
+    )
     p.add_argument(
         "--n-prompts", type=non_negative_int, default=0, help="check the first n prompts (0: all)"
     )
@@ -34,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     with progress("loading models"):
         models = load_models(args, need_drafter=True, default_demo=True)
     check_folders(trace.header, str(args.trace), models.target_path, models.drafter_path)
-    policies = [x for x in args.policies.split(",") if x]
+    policies = args.policies
     points = replay_points(trace, policies, args.budgets)
     count = len(trace.header.prompts)
     prompts = list(range(min(args.n_prompts, count) if args.n_prompts else count))

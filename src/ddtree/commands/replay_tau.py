@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ddtree.commands._args import add_json_argument, int_list, records_file
+from ddtree.commands._decode import policy_list
 
 DEFAULT_BUDGETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
@@ -22,7 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_BUDGETS,
         help="DDTree budgets N (default: 1,2,4,...,1024)",
     )
-    p.add_argument("--policies", default="chain,ddtree", help="comma-separated: chain,ddtree")
+    p.add_argument(
+        "--policies",
+        type=policy_list(replay=True),
+        default="chain,ddtree",
+        help="comma-separated: chain,ddtree",
+    )
     add_json_argument(p)
     p.add_argument(
         "--records",
@@ -43,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     trace = load_trace(args.trace)
     check_folders(trace.header, str(args.trace), args.target, args.drafter)
-    policies = [x for x in args.policies.split(",") if x]
+    policies = args.policies
     points = replay_points(trace, policies, args.budgets)
     start, start_cpu = time.perf_counter(), time.process_time()
     n_policies = len({p for p, _ in points})

@@ -364,9 +364,23 @@ class Backtest:
         return float(np.mean([abs(r.rel_error) for r in self.rows])) if self.rows else float("nan")
 
 
+def check_train_budgets(anchors: Sequence[Anchor], train_budgets: Sequence[int]) -> None:
+    """``--train-budgets`` must name budgets the engine runs were measured at: otherwise the
+    calibration sees none of them and the "held-out" error is of an uncalibrated model."""
+    present = sorted({a.point.budget for a in anchors if isinstance(a, StepAnchor)})
+    absent = [b for b in dict.fromkeys(train_budgets) if b not in present]
+    if absent:
+        raise ValueError(
+            f"--train-budgets: no engine run at budget {', '.join(map(str, absent))}; the "
+            f"records hold runs at budgets {', '.join(map(str, present)) or '(none)'}"
+        )
+
+
 def training_anchors(anchors: Sequence[Anchor], train_budgets: Sequence[int]) -> list[Anchor]:
     """The anchors a calibration on ``train_budgets`` sees: every anchor that is not part of
-    an engine run, and the runs (step and stage anchors) at those budgets."""
+    an engine run, and the runs (step and stage anchors) at those budgets (each must be
+    present: ``check_train_budgets``)."""
+    check_train_budgets(anchors, train_budgets)
     budget_of = {a.name: a.point.budget for a in anchors if isinstance(a, StepAnchor)}
     return [
         a for a in anchors if _run_of(a) is None or budget_of.get(_run_of(a), -1) in train_budgets
@@ -393,6 +407,12 @@ def backtest(
     if train_budgets:
         cal = calibrate(training_anchors(anchors, train_budgets), specs, fixed)
         rows = [row(a, cal) for a in steps if a.point.budget not in train_budgets]
+        if steps and not rows:
+            present = sorted({a.point.budget for a in steps})
+            raise ValueError(
+                f"--train-budgets: calibrating on every measured budget "
+                f"({', '.join(map(str, present))}) leaves no run to predict; leave some out"
+            )
         mode = f"calibrated on budgets {', '.join(map(str, train_budgets))}, predicting the rest"
     else:
         for a in steps:

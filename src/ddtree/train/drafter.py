@@ -139,6 +139,35 @@ def step_loss(model, target, seqs, hidden, anchors, mask_id, weights) -> tuple[t
     return total / len(anchors), correct / (r * len(anchors))
 
 
+def check_drafter_inputs(cfg: DrafterTrainConfig, shape: DrafterShape, target_dir: Path) -> None:
+    """What would fail after minutes of regenerating sequences, refused before any work: too
+    few new tokens for a block anchored in the generated part, a target with fewer decoder
+    layers than the drafter reads, sequences longer than the target's positions."""
+    from ddtree.models.checkpoint import CONFIG_NAME, read_config
+
+    need = shape.block_size - 1  # anchors a in [prompt_len - 1, seq_len - block_size]
+    if cfg.new_tokens < need:
+        raise ValueError(
+            f"--new-tokens {cfg.new_tokens}: a block of {shape.block_size} anchored in the "
+            f"generated part needs at least {need} new tokens per sequence"
+        )
+    config = read_config(target_dir)
+    where = f"--target {Path(target_dir) / CONFIG_NAME}"
+    layers = config.get("num_hidden_layers")
+    ids = list(shape.target_layer_ids)
+    if not isinstance(layers, int) or layers <= max(ids):
+        raise ValueError(
+            f"{where}: num_hidden_layers={layers!r}; the drafter reads the target's hidden "
+            f"states after layers {ids}, so it needs an integer >= {max(ids) + 1}"
+        )
+    positions = config.get("max_position_embeddings")
+    if isinstance(positions, int) and cfg.prompt_len + cfg.new_tokens > positions:
+        raise ValueError(
+            f"--new-tokens {cfg.new_tokens}: sequences of {cfg.prompt_len} + {cfg.new_tokens} "
+            f"tokens pass the target's max_position_embeddings={positions} ({where})"
+        )
+
+
 def train_drafter(
     cfg: DrafterTrainConfig,
     target_dir: Path,
@@ -153,6 +182,7 @@ def train_drafter(
     target_dir, out = Path(target_dir), Path(out)
     if resume:  # a broken checkpoint is refused before anything is read or written
         check_checkpoint(out)
+    check_drafter_inputs(cfg, shape, target_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(target_dir)
     eos_id, mask_id = special_id(tok, EOS_TOKEN), special_id(tok, MASK_TOKEN)

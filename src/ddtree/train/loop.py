@@ -35,6 +35,19 @@ def adamw(
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
+class NonFiniteTraining(ValueError):
+    """The loss or the weights went NaN/inf (a learning rate too large, most often): the run
+    stops there, and the broken weights are neither checkpointed nor exported."""
+
+
+def _stop_if_not_finite(name, what, step, cfg, saved) -> None:
+    kept = f"the checkpoint of step {saved} is kept" if saved else "nothing was saved"
+    raise NonFiniteTraining(
+        f"{name} step {step}: {what} (--lr {cfg.lr:g}); training stopped and {kept}: "
+        "try a smaller --lr"
+    )
+
+
 def train_steps(
     name: str,
     model: torch.nn.Module,
@@ -56,7 +69,9 @@ def train_steps(
     ``save_every`` steps, at the end and at ``stop_at``, and when the run is interrupted
     (Ctrl-C, or SIGTERM under ``ddtree.signals``): then of the last finished step, before the
     interrupt goes on. An update (optimizer step, ``after_step``, the step count) is never
-    cut in half: the interrupt waits for it (``ddtree.signals.deferred``)."""
+    cut in half: the interrupt waits for it (``ddtree.signals.deferred``). A loss or weights
+    that are not finite stop the run with ``NonFiniteTraining`` (one line naming the step and
+    ``--lr``), saving nothing of that step or after it."""
     out, run_config = checkpoint
     interval: list[tuple[float, float]] = []
     t0 = time.perf_counter() - state.elapsed_s
@@ -67,6 +82,9 @@ def train_steps(
             for group in opt.param_groups:
                 group["lr"] = lr_at(state.step, cfg.steps, cfg.lr, cfg.warmup_steps)
             loss, metric = step_loss(state.step)
+            if not torch.isfinite(loss.detach()).all():
+                what = f"the loss is {float(loss.detach())}"
+                _stop_if_not_finite(name, what, state.step + 1, cfg, saved)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -76,6 +94,9 @@ def train_steps(
                     after_step()
                 interval.append((float(loss.detach()), metric))
                 state.step += 1
+            bad = next((n for n, w in model.named_parameters() if not w.isfinite().all()), None)
+            if bad is not None:  # checked before the step's checkpoint could save them
+                _stop_if_not_finite(name, f"{bad} is not finite", state.step, cfg, saved)
             if state.step % cfg.log_every == 0 or state.step == cfg.steps:
                 state.losses.append(sum(x for x, _ in interval) / len(interval))
                 state.elapsed_s = time.perf_counter() - t0
