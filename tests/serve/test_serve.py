@@ -279,6 +279,8 @@ BAD = [
      400, "temperature", "finite"),
     ("temperature negative", {**OK, "temperature": -0.5}, None, 400, "temperature", "greater than or equal to 0"),
     ("temperature a string", {**OK, "temperature": "hot"}, None, 400, "temperature", "number"),
+    ("temperature underflows", {**OK, "temperature": 1e-45}, None, 400, "temperature", "at least 1e-30"),
+    ("top_p underflows", {**OK, "top_p": 1e-300}, None, 400, "top_p", "at least 1e-30"),
     ("top_p zero", {**OK, "top_p": 0}, None, 400, "top_p", "greater than 0"),
     ("top_p above 1", {**OK, "top_p": 1.5}, None, 400, "top_p", "less than or equal to 1"),
     ("top_k negative", {**OK, "top_k": -1}, None, 400, "top_k", "greater than or equal to 0"),
