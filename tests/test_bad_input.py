@@ -228,6 +228,7 @@ CHECKPOINT_CASES = [
 # ---- the replay, diagnose and all-reduce commands ------------------------------------------
 
 RUNS = "{w}/records/bandwidth.jsonl"
+TUNE = str(Path(__file__).resolve().parents[1] / "examples" / "demo_pair_tune.toml")
 OTHER_CASES = [
     Case("replay-tau-missing-trace", "replay tau {w}/nowhere.safetensors", ("nowhere.safetensors", "no such trace")),
     Case("replay-tau-records-as-trace", f"replay tau {RUNS}", ("bandwidth.jsonl", "safetensors")),
@@ -240,6 +241,19 @@ OTHER_CASES = [
     _flag("bench allreduce", "--repeats", "-1", INT1),
     _flag("bench allreduce", "--records", "{w}/work", "folder"),
     Case("estimate-validate-missing", "estimate --validate {w}/nowhere", ("nowhere", "no such")),
+    Case("tune-acceptance-missing", f"tune {TUNE} --acceptance {{w}}/nowhere.jsonl", ("nowhere.jsonl", "no such")),
+    Case("tune-no-acceptance", f"tune {TUNE}", ("--acceptance", "required")),
+    _flag(f"tune {TUNE} --acceptance {{w}}/nowhere.jsonl", "--samples", "0", INT1),
+    _flag("bench linear", "--ms", "0", "comma-separated integers"),
+    _flag("bench linear", "--repeats", "0", INT1),
+    _flag("bench linear", "--set-mb", "-1", INT1),
+    _flag("bench linear", "--preset", "qwen9", "invalid choice", "tiny-qwen3"),
+    _flag("bench shapes", "--preset", "qwen9", "invalid choice", "qwen3-1.7b"),
+    _flag("bench shapes", "--budgets", "0", "comma-separated integers"),
+    Case("bench-shapes-too-big", "bench shapes --preset qwen3-30b-a3b --dtype float32 --threads 1", ("qwen3-30b-a3b", "needs", "GB", "available")),
+    _flag("bench attention", "--contexts", "0", "comma-separated integers"),
+    Case("generate-own-target-no-drafter", "generate --prompt hi --target {w}/target", ("--drafter DIR", "--policy ar")),
+    Case("bench-attention-heads", "bench attention --heads 3 --kv-heads 2", ("--heads 3", "multiple of --kv-heads 2")),
 ]  # fmt: skip
 
 CASES = FLAG_CASES + SCENARIO_CASES + RECORDS_CASES + CHECKPOINT_CASES + OTHER_CASES

@@ -40,8 +40,8 @@ DEMO_DIR = Path(str(files("ddtree") / "assets" / "demo"))
 TARGET_IMPL_CHOICES = ("auto", "mla_moe", "decoder", "hf")
 
 
-def add_model_arguments(p: argparse.ArgumentParser, default_demo: bool) -> None:
-    where = " (default: the bundled demo pair)" if default_demo else ""
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    where = " (default: the bundled demo pair)"
     target = p.add_argument(
         "--target", help=f"target checkpoint directory{where} (also --model, as vLLM)"
     )
@@ -217,26 +217,21 @@ class LoadedModels:
     drafter_path: Path | None
 
 
-def model_paths(
-    args: argparse.Namespace, need_drafter: bool, default_demo: bool
-) -> tuple[Path, Path | None]:
-    """The target and drafter folders the arguments name (the bundled pair by default)."""
-    target_path = Path(args.target) if args.target else None
+def model_paths(args: argparse.Namespace, need_drafter: bool) -> tuple[Path, Path | None]:
+    """The target and drafter folders the arguments name: the bundled pair by default, and no
+    drafter by default for a target of the user's."""
+    target_path = Path(args.target) if args.target else DEMO_DIR / "target"
     drafter_path = Path(args.drafter) if args.drafter else None
-    if default_demo:
-        target_path = target_path or DEMO_DIR / "target"
-        drafter_path = drafter_path or (DEMO_DIR / "drafter" if not args.target else None)
-    if target_path is None:
-        raise SystemExit("error: --target DIR is required")
+    if drafter_path is None and not args.target:
+        drafter_path = DEMO_DIR / "drafter"
     if need_drafter and drafter_path is None:
-        raise SystemExit("error: this policy needs --drafter DIR (or use --policy ar)")
+        raise ValueError("--drafter DIR is required by this policy (or use --policy ar)")
     return target_path, drafter_path
 
 
 def load_models(
     args: argparse.Namespace,
     need_drafter: bool,
-    default_demo: bool,
     engine_modes: tuple[str, ...] = ("eager",),
 ) -> LoadedModels:
     """Target, drafter and tokenizer from the model arguments; ``engine_modes`` the run will
@@ -247,7 +242,7 @@ def load_models(
     from ddtree.models.static import check_engine_support
 
     set_threads(args)
-    target_path, drafter_path = model_paths(args, need_drafter, default_demo)
+    target_path, drafter_path = model_paths(args, need_drafter)
     described = f"{target_path.name} (impl {args.impl}, tp {args.tp})"
     models = [(described, target_engine_modes(target_path, args.impl, args.tp))]
     if need_drafter:

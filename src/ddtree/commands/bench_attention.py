@@ -54,9 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.commands._output import bench_record_out, console, progress
 
     if args.heads % args.kv_heads:
-        raise SystemExit(
-            f"error: --heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}"
-        )
+        raise ValueError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     set_threads(args)
     shape = AttentionShape(args.heads, args.kv_heads, args.head_dim)
     dtype = getattr(torch, args.dtype)

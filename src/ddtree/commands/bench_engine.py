@@ -22,7 +22,7 @@ from ddtree.vocab import get_policy, policies_help
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p, default_demo=True)
+    add_model_arguments(p)
     p.add_argument(
         "--policies",
         type=policy_list(),
@@ -90,7 +90,7 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
     need_drafter = any(get_policy(c.policy).needs_drafter for c in configs)
     with progress("loading models"):
         modes = tuple(sorted({c.engine_mode for c in configs}))
-        models = load_models(args, need_drafter=need_drafter, default_demo=True, engine_modes=modes)
+        models = load_models(args, need_drafter=need_drafter, engine_modes=modes)
     title = title.format(threads=threads_label(args))
     ids = [models.codec.encode(p) for p in prompts]
     points = []  # over the prompts every config has finished so far

@@ -39,7 +39,7 @@ PAIR_PERCENTILES = (10, 50, 90)  # the spread of the per-pair overheads that is 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p, default_demo=True)
+    add_model_arguments(p)
     add_policy_arguments(p)
     add_decode_arguments(p, max_new_tokens=128)
     p.add_argument(
@@ -169,9 +169,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     need_drafter = get_policy(args.policy).needs_drafter
-    models = load_models(
-        args, need_drafter=need_drafter, default_demo=True, engine_modes=(args.engine_mode,)
-    )
+    models = load_models(args, need_drafter=need_drafter, engine_modes=(args.engine_mode,))
     _direct_pass(models, prompts[:1], configs[:1])  # warm-up (compiles in compiled mode)
     stack = ExitStack()
     if args.url:

@@ -62,9 +62,6 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.records import write_records
     from ddtree.tree import backend
 
-    for name in ("vocab", "prefix", "repeats"):
-        if getattr(args, name) < (1 if name != "prefix" else 0):
-            raise SystemExit(f"ddtree bench tree: --{name} must be >= 1, got {getattr(args, name)}")
     set_threads(args)
     backends = available_backends()
     table = Table(

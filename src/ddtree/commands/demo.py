@@ -11,7 +11,7 @@ from ddtree.commands.bench_engine import add_engine_modes_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p, default_demo=True)
+    add_model_arguments(p)
     p.add_argument("--prompts", type=Path, help="JSON list of prompt strings (default: demo's)")
     p.add_argument("--n-prompts", type=positive_int, default=4, help="how many prompts to decode")
     p.add_argument(

@@ -29,7 +29,7 @@ STDIN = "-"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p, default_demo=True)
+    add_model_arguments(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument(
@@ -131,13 +131,12 @@ def run(args: argparse.Namespace) -> int:
     if messages is not None:  # a missing or failing template fails before the models load
         from ddtree.serve.chat import ChatTemplate
 
-        target_path, _ = model_paths(args, policy.needs_drafter, default_demo=True)
+        target_path, _ = model_paths(args, policy.needs_drafter)
         template = ChatTemplate.load(target_path)
         prompt_ids, echo = template.prompt_ids(messages), ""
     models = load_models(
         args,
         need_drafter=policy.needs_drafter,
-        default_demo=True,
         engine_modes=(args.engine_mode,),
     )
     codec = models.codec

@@ -12,7 +12,7 @@ from ddtree.commands._decode import add_model_arguments, load_models, policy_lis
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", type=Path, help="trace file from `ddtree replay record`")
-    add_model_arguments(p, default_demo=True)
+    add_model_arguments(p)
     p.add_argument("--budgets", type=int_list, default=[1, 4, 16, 64], help="DDTree budgets N")
     p.add_argument(
         "--policies",
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     console = make_console()
     trace = load_trace(args.trace)
     with progress("loading models"):
-        models = load_models(args, need_drafter=True, default_demo=True)
+        models = load_models(args, need_drafter=True)
     check_folders(trace.header, str(args.trace), models.target_path, models.drafter_path)
     policies = args.policies
     points = replay_points(trace, policies, args.budgets)

@@ -18,7 +18,7 @@ from ddtree.commands._decode import add_model_arguments, demo_prompts, load_mode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p, default_demo=True)
+    add_model_arguments(p)
     p.add_argument("--prompts", type=Path, help="JSON list of prompt strings (default: demo's)")
     p.add_argument(
         "--n-prompts", type=non_negative_int, default=0, help="use the first n prompts (0: all)"
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.n_prompts:
         prompts = prompts[: args.n_prompts]
     with progress("loading models"):
-        models = load_models(args, need_drafter=True, default_demo=True)
+        models = load_models(args, need_drafter=True)
     ids = [models.codec.encode(p) for p in prompts]
     traces = []
     start = time.perf_counter()

@@ -26,7 +26,7 @@ DEMO_MODEL_NAME = "ddtree-demo"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p, default_demo=True)
+    add_model_arguments(p)
     add_policy_arguments(p)
     add_decode_arguments(p, max_new_tokens=256)
     p.add_argument(
@@ -100,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args)
     print(f"loading the models ({threads_label(args)}) ...", file=sys.stderr, flush=True)
     need_drafter = get_policy(args.policy).needs_drafter
-    models = load_models(
-        args, need_drafter=need_drafter, default_demo=True, engine_modes=(args.engine_mode,)
-    )
+    models = load_models(args, need_drafter=need_drafter, engine_modes=(args.engine_mode,))
     serve(models, settings, sock, args.records, args.device, access_log=args.access_log)
     return 0
