@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.test_bad_input import GEN, Case, _error_lines, _flag, _snapshot, world  # noqa: F401
 
 from ddtree.cli import main
+from test_bad_input import GEN, Case, _flag, run_bad_input, world  # noqa: F401
 
 # Case.argv is split on spaces; these tokens stand for what a space-split cannot hold.
 TOKENS = {"<empty>": "", "<surrogate>": "a\udcff"}  # surrogateescape's form of byte 0xff
@@ -146,19 +146,7 @@ def test_bad_input_exits_2_with_one_line_naming_what_was_expected(
     monkeypatch.delenv("DDTREE_DEBUG", raising=False)
     torch.set_num_threads(1)
     argv = [TOKENS.get(x, x) for x in case.argv.format(w=cli_world).split()]
-    before = _snapshot(cli_world)
-    try:
-        code = main(argv)
-    except SystemExit as exit_:  # argparse
-        code = exit_.code
-    err = capsys.readouterr().err
-    lines = _error_lines(err)
-    assert code == 2, err
-    assert "Traceback" not in err
-    assert len([x for x in lines if not x.startswith(("warning: ", "note: "))]) == 1, err
-    for part in case.expect:
-        assert any(part in x for x in lines), (part, lines)
-    assert _snapshot(cli_world) == before  # nothing written, nothing half-written
+    run_bad_input(argv, cli_world, case.expect, capsys)
 
 
 def test_ddtree_debug_still_raises(monkeypatch):

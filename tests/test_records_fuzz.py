@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddtree.records import Record, RecordError, RecordWarning, from_dict, read_records
-from perf.test_scenario_fuzz import check_outcome, run_estimate
+from perf.test_scenario_fuzz import _DELETE, _paths, _set, check_outcome, run_estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE_FILES = [
@@ -79,37 +79,6 @@ def raw_tokens(draw) -> str:
     return '{"a":' * depth + "1" + "}" * depth
 
 
-def _paths(value, prefix=()):
-    """Every key path into a parsed JSON value."""
-    yield prefix
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value[:3]):
-            yield from _paths(v, (*prefix, i))
-
-
-def _set(value, path, new):
-    if not path:
-        return new
-    head, rest = path[0], path[1:]
-    if isinstance(value, dict):
-        out = dict(value)
-        if new is _DELETE and not rest:
-            out.pop(head, None)
-        else:
-            out[head] = _set(value[head], rest, new)
-        return out
-    out = list(value)
-    if new is _DELETE and not rest:
-        del out[head]
-    else:
-        out[head] = _set(value[head], rest, new)
-    return out
-
-
-_DELETE = object()
 _RAW = "\x00raw\x00"  # a placeholder replaced by a raw token in the dumped text
 
 
