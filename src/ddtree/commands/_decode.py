@@ -14,8 +14,6 @@ from ddtree.commands._args import (
     add_alias,
     add_dtype_argument,
     add_threads_argument,
-    check_text,
-    decode_text,
     device,
     int_list,
     non_negative_float,
@@ -25,6 +23,7 @@ from ddtree.commands._args import (
     seed,
     set_threads,
 )
+from ddtree.utf8 import check_text, decode_text
 from ddtree.vocab import (
     DEFAULT_POLICY,
     MIN_TEMPERATURE,

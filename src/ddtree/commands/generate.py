@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from ddtree.commands._args import check_text, decode_text, records_file, threads_label
+from ddtree.commands._args import records_file, threads_label
 from ddtree.commands._decode import (
     add_decode_arguments,
     add_model_arguments,
@@ -23,6 +23,7 @@ from ddtree.commands._decode import (
     load_models,
     model_paths,
 )
+from ddtree.utf8 import check_text, decode_text
 from ddtree.vocab import get_policy
 
 STDIN = "-"

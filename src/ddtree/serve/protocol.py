@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ddtree.utf8 import check_text
 from ddtree.vocab import MIN_TEMPERATURE, MIN_TOP_P
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
@@ -217,6 +218,11 @@ def parse_request(cls: type[_Request], body: Any) -> _Request:
         raise APIError(
             400, f"expected a JSON object as the request body, got {type(body).__name__}"
         )
+    for loc, text in _strings(body):
+        try:
+            check_text(text, _param(loc))
+        except ValueError as e:
+            raise APIError(400, str(e), param=_param(loc)) from None
     try:
         return cls.model_validate(body)
     except ValidationError as e:
@@ -227,6 +233,23 @@ def parse_request(cls: type[_Request], body: Any) -> _Request:
         else:
             message = f"{param}: {first['msg'].removeprefix('Value error, ')}"
         raise APIError(400, message, param=param) from None
+
+
+def _strings(body: Any):
+    """(location, text) of every string in a decoded JSON body, keys included (a JSON
+    ``\\udcff`` escape decodes to a lone surrogate, which no tokenizer takes); a loop, not
+    recursion, so a deeply nested body cannot exhaust the stack."""
+    stack: list[tuple[tuple, Any]] = [((), body)]
+    while stack:
+        loc, value = stack.pop()
+        if isinstance(value, str):
+            yield loc, value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                yield (*loc, key), key
+                stack.append(((*loc, key), item))
+        elif isinstance(value, list):
+            stack.extend(((*loc, i), item) for i, item in enumerate(value))
 
 
 def _param(loc: tuple) -> str:
