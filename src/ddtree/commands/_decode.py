@@ -382,8 +382,9 @@ def regime_lines(points) -> list[str]:
         )
     if lines:
         lines.append(
-            "Real-size targets are memory-bound, where a verify of 8-64 tokens costs about one "
-            "token's: `ddtree bench shapes --preset qwen3-1.7b` measures that regime on this "
-            "machine (README: Where DDTree pays)."
+            "Real-size targets are memory-bound on hardware with matrix units (GPUs, AMX "
+            "CPUs), where a verify of 8-64 tokens costs about one token's: `ddtree bench shapes "
+            "--preset qwen3-1.7b` measures how far that holds on this machine (README: Where "
+            "DDTree pays)."
         )
     return lines
