@@ -69,6 +69,7 @@ CHANGES = {  # id -> (text replaced or END, replacement, expected in the message
     "anchor-tau-above-budget": ("budget = 8", "budget = 2", ("anchor[0] (a).tau", "budget + 1 = 3")),
     "anchor-moe-on-dense-model": ("kimi-k2-thinking", "llama-3.1-8b", ("anchor[1] (m).kind", "dense")),
     # scenario cases
+    "case-block-size-past-positions": ("block_size = 16", "block_size = 1000000000000", ("block size 1000000000000", "max_position_embeddings")),
     "case-tau-above-budget": ("budget = 32", "budget = 4", ("scenario[0] (s).tau", "budget + 1 = 5")),
     "case-tau-range-above-budget": ("budget = 32\ntau = 6.0", "budget = 4\ntau = [2, 6]", ("scenario[0] (s).tau", "budget + 1 = 5")),
     "case-name-list": (SCEN, "name = [1]", ("scenario[0].name", "expected a string")),

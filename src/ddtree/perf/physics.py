@@ -143,11 +143,13 @@ def findings(model: ModelShape, pt: Point) -> list[Finding]:
             "refuse",
             f"tp {shards} does not divide the {model.num_heads} attention heads of {model.name}",
         ))  # fmt: skip
-    reach = pt.context_tokens + pt.verify_width
+    # a step places its verify width, and the drafter its block, after the context
+    span, what = max((pt.verify_width, "verify width"), (pt.block_size, "block size"))
+    reach = pt.context_tokens + span
     if model.max_positions and reach > model.max_positions:
         out.append(Finding(
             "refuse",
-            f"context {pt.context_tokens:.0f} + verify width {pt.verify_width} = {reach:.0f} "
+            f"context {pt.context_tokens:.0f} + {what} {span} = {reach:.0f} "
             f"positions exceeds {model.name}'s max_position_embeddings {model.max_positions}",
         ))  # fmt: skip
     if hw.memory_bytes > 0:
