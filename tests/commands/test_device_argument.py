@@ -74,3 +74,11 @@ def test_argparse_names_the_argument():
     assert parser.parse_args([]).device == "cpu"
     with pytest.raises(argparse.ArgumentError, match="argument --device: expected a device"):
         parser.parse_args(["--device", "bogus"])
+
+
+def test_allreduce_on_cuda_needs_a_gpu_per_rank_before_the_group_forms(two_gpus, capsys):
+    from ddtree.cli import main
+
+    assert main(["bench", "allreduce", "--tp", "4", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 4 --device cuda: 4 ranks on this host need a GPU each and it has 2" in err

@@ -93,10 +93,16 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--m needs >= 2 distinct widths (to fit latency and bandwidth), got {args.m}"
         )
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", args.tp))  # ranks on this host
+    if args.device == "cuda" and torch.cuda.device_count() < local:
+        raise ValueError(
+            f"--tp {args.tp} --device cuda: {local} ranks on this host need a GPU each and it "
+            f"has {torch.cuda.device_count()}"
+        )
     # every rank holds one message of M x hidden at a time; on the CPU all ranks of this host
     # share its memory, on CUDA each has its GPU
     per_rank = max(args.m) * args.hidden * getattr(torch, args.dtype).itemsize
-    here = int(os.environ.get("LOCAL_WORLD_SIZE", args.tp)) if args.device == "cpu" else 1
+    here = local if args.device == "cpu" else 1
     have = available_bytes(torch.device(args.device))
     if per_rank * here > MEMORY_SHARE * have:
         raise ValueError(
