@@ -48,6 +48,12 @@ def _stop_if_not_finite(name, what, step, cfg, saved) -> None:
     )
 
 
+def _not_finite(model: torch.nn.Module) -> str | None:
+    """The first parameter holding NaN/inf, or None. A pass over every weight, so it runs
+    before a checkpoint only: a broken update shows in the next step's loss anyway."""
+    return next((n for n, w in model.named_parameters() if not w.isfinite().all()), None)
+
+
 def train_steps(
     name: str,
     model: torch.nn.Module,
@@ -94,9 +100,6 @@ def train_steps(
                     after_step()
                 interval.append((float(loss.detach()), metric))
                 state.step += 1
-            bad = next((n for n, w in model.named_parameters() if not w.isfinite().all()), None)
-            if bad is not None:  # checked before the step's checkpoint could save them
-                _stop_if_not_finite(name, f"{bad} is not finite", state.step, cfg, saved)
             if state.step % cfg.log_every == 0 or state.step == cfg.steps:
                 state.losses.append(sum(x for x, _ in interval) / len(interval))
                 state.elapsed_s = time.perf_counter() - t0
@@ -109,12 +112,15 @@ def train_steps(
                     f"{state.elapsed_s:.0f} s",
                 )
             if state.step % cfg.save_every == 0 or state.step in (cfg.steps, stop_at):
+                bad = _not_finite(model)  # weights broken by this step's update: not saved
+                if bad is not None:
+                    _stop_if_not_finite(name, f"{bad} is not finite", state.step, cfg, saved)
                 state.elapsed_s = time.perf_counter() - t0
                 save_checkpoint(out, model, opt, state, run_config)
                 saved = state.step
             bar.update(task, completed=state.step)
     except KeyboardInterrupt:
-        if state.step > saved:
+        if state.step > saved and _not_finite(model) is None:
             state.elapsed_s = time.perf_counter() - t0
             save_checkpoint(out, model, opt, state, run_config)
         raise
