@@ -1,4 +1,4 @@
-"""Hand-made draft trees for model tests."""
+"""Hand-made draft trees for model tests, and the reference they are checked against."""
 
 from __future__ import annotations
 
@@ -26,3 +26,18 @@ def make_tree(tokens: list[int], parents: list[int]) -> DraftTree:
         scores=torch.zeros(m, dtype=torch.float64),
         visibility=vis,
     )
+
+
+def path_of(parents: list[int], i: int) -> list[int]:
+    """Node ``i``'s path from the root: the tokens a sequential decode of it would see."""
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    """A transformers model's logits ``[T, V]`` over one sequence: the reference."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from tests.trees import make_tree
+from tests.trees import hf_logits, make_tree, path_of
 
 from ddtree.models.base import Target
 from ddtree.models.checkpoint import CheckpointError
@@ -89,19 +89,6 @@ def ours(hf, capacity: int = 8) -> DecoderTarget:
     model.load_state_dict(hf.state_dict())
     model.model.rotary_emb.reset_inv_freq()
     return DecoderTarget(model, capacity=capacity)  # small: exercises cache growth
-
-
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0]
-
-
-def path_of(parents: list[int], i: int) -> list[int]:
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
 
 
 def test_is_a_target(hf_model):

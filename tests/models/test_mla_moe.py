@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.trees import make_tree
+from tests.trees import hf_logits, make_tree, path_of
 
 from ddtree.errors import NonFiniteLogitsError
 from ddtree.models.base import Target
@@ -96,19 +96,6 @@ def ours(hf, attn_impl: str = "absorbed") -> MlaMoeTarget:
     model = MlaMoeModel(config, attn_impl)
     model.load_state_dict(hf.state_dict())
     return MlaMoeTarget(model, capacity=8)  # small: exercises cache growth
-
-
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0]
-
-
-def path_of(parents: list[int], i: int) -> list[int]:
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
 
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
