@@ -86,6 +86,12 @@ tuning-model estimate (25 us), and the one measurement beside it in the same log
 ``inter_node`` for a group that spans nodes (the inter-node ``Link``'s latency)."""
 
 
+STACKS = ("any", "sglang", "vllm", "trtllm", "transformers", "llamacpp", "ddtree", "other")
+"""The serving stacks a point or scenario may name (``stack = "sglang"``); "any" when it does
+not say (a projection for no stack in particular), "other" for one without a profile of its own
+(MLC, ExLlama, TGI, LMDeploy, a paper's own harness)."""
+
+
 def engine_param(engine: str, what: str) -> str:
     return f"{engine}.{what}"
 
@@ -343,6 +349,7 @@ class Point:
     host: str = ""  # host CPU class ("": the hardware entry's host_cpu)
     gpus_per_node: int = 0  # GPUs sharing the hardware's interconnect (0: the hardware's)
     inter_node: Link | None = None  # the link between nodes when the group spans several
+    stack: str = "any"  # the serving stack that ran it (STACKS); "any": not said
 
     def __post_init__(self) -> None:
         if self.tp % self.experts_ep:

@@ -28,6 +28,7 @@ from ddtree.perf.cost import (
     ENGINE_ALIASES,
     ENGINE_PARAMS,
     ENGINES,
+    STACKS,
     Deployment,
     Drafter,
     EngineProfile,
@@ -258,7 +259,7 @@ def check_keys(table: dict, allowed: set[str], where: str) -> None:
 
 
 _DEPLOY = {"tp", "concurrency", "context", "engine", "policy", "parallel", "gpus_per_node",
-           "inter_node", "num_steps", "topk", "num_draft_tokens", "host_cpu"}  # fmt: skip
+           "inter_node", "num_steps", "topk", "num_draft_tokens", "host_cpu", "stack"}  # fmt: skip
 _PARAM_DIMS = {"": u.NUMBER, "s": u.TIME}
 
 
@@ -495,6 +496,7 @@ def _point(
         inter_node=inter,
         draft_topk=topk if policy.needs_drafter and policy.drafting.in_steps else 1,
         host=_host_cpu(merged.get("host_cpu", ""), hardware, f"{where}.host_cpu"),
+        stack=one_of(merged.get("stack", "any"), STACKS, f"{where}.stack"),
     )
 
 
