@@ -55,11 +55,27 @@ class Drafting(StrEnum):
     # previous step kept; the estimator prices them (the engine has no proposer for them yet)
     STEPS = "steps"  # a small autoregressive drafter of its own (EAGLE-2 / EAGLE-3)
     MTP = "mtp"  # the target's multi-token-prediction layer, reused at every step
+    # no drafter model: the k tokens that followed an earlier match of the last n-gram (prompt
+    # lookup, vLLM's ngram, suffix decoding), found on the host
+    LOOKUP = "lookup"
+    # Medusa / Hydra heads on the target's last hidden state: one pass of the k heads
+    HEADS = "heads"
 
     @property
     def in_steps(self) -> bool:
         """The depths are drafted one after another (k forwards), not in one block forward."""
         return self in (Drafting.STEPS, Drafting.MTP)
+
+    @property
+    def step_fields(self) -> bool:
+        """Its tree is described by SGLang's names (num_steps k, topk, num_draft_tokens), not
+        by a block size and budget."""
+        return self in (Drafting.STEPS, Drafting.MTP, Drafting.LOOKUP, Drafting.HEADS)
+
+    @property
+    def has_model(self) -> bool:
+        """A drafter model runs (every drafting but a host lookup)."""
+        return self is not Drafting.LOOKUP
 
 
 @dataclass(frozen=True)
@@ -143,6 +159,18 @@ POLICIES: dict[str, Policy] = {
             "DeepSeek-style multi-token prediction: the target's MTP layer applied k = B - 1 "
             "times as the drafter, then verified like eagle",
             Drafting.MTP,
+        ),
+        Policy(
+            "ngram",
+            "n-gram / prompt lookup: the k tokens that followed the last match of the context's "
+            "final n-gram, found on the host, no drafter model; verified as a chain of k + 1",
+            Drafting.LOOKUP,
+        ),
+        Policy(
+            "medusa",
+            "Medusa / Hydra: k heads on the target's last hidden state propose k depths in one "
+            "pass (each head with its own vocabulary projection); a tree of N nodes verified",
+            Drafting.HEADS,
         ),
     )
 }

@@ -274,9 +274,10 @@ def test_a_sources_band_never_uses_its_own_residuals(tmp_path):
                                    "step": "0.5 ms"}], kind="forum")  # fmt: skip
     v = validate.run(tmp_path, samples=300)
     by = {r.point.name: r for r in v.rows}
-    # the outlier's own band is fitted on the three exact sources: no model-form error; the
-    # others' bands carry it (d is among their "other sources")
-    assert by["d-ar"].model_form_sigma < 0.05 < by["a-ar"].model_form_sigma
+    # the outlier's own band is fitted on the three other sources (each predicted with the
+    # outlier among its calibration, so not exactly: a modest error); the others' bands carry
+    # the outlier's 20x miss (d is among their "other sources")
+    assert by["d-ar"].model_form_sigma < 0.5 < 0.9 < by["a-ar"].model_form_sigma
     assert v.model_form_sigma > 0.3 and not by["d-ar"].inside(10, 90)
 
 

@@ -112,6 +112,11 @@ BASE_PARAMS: dict[str, ParamSpec] = {
             "compute_efficiency", 0.5, 0.2, 0.8, "", False,
             "fraction of dense peak FLOP/s reached by compute-bound kernels",
         ),
+        ParamSpec(
+            "ngram_lookup", 100e-6, 20e-6, 1e-3, "s", True,
+            "host time per request per step to find the context's last n-gram's earlier match "
+            "(policy ngram; assumed: vLLM's numba KMP over a few thousand tokens)",
+        ),
         *(
             ParamSpec(
                 f"allreduce_scale.{link}", 1.0, 0.5, INTER_NODE_SCALE_HIGH if link == "inter_node"
@@ -1133,10 +1138,25 @@ def stepped_draft(model: ModelShape, pt: Point, params: dict) -> list[Component 
     return [*steps, tree_build(pt, params), verify_layout(pt, params)]
 
 
+def lookup_draft(model: ModelShape, pt: Point, params: dict) -> list[Component | None]:
+    """n-gram / prompt-lookup drafting (``Drafting.LOOKUP``): a search of the context on the
+    host for the last n-gram's earlier match, no drafter forward; then the verify layout."""
+    lookup = _host(
+        "n-gram lookup", Stage.DRAFT, pt,
+        pt.requests_per_gpu * params["ngram_lookup"] / host_speed(params, pt.host_cpu),
+        "C x lookup per step (host search of the context)",
+    )  # fmt: skip
+    return [lookup, verify_layout(pt, params)]
+
+
 DRAFTING_COST: dict[Drafting, Callable[..., list[Component | None]]] = {
     Drafting.BLOCK: block_draft,
     Drafting.STEPS: stepped_draft,
     Drafting.MTP: stepped_draft,
+    Drafting.LOOKUP: lookup_draft,
+    # Medusa heads: one pass over the heads' weights (their own vocabulary projections
+    # included, ``shares_target_lm_head`` False), then top-k, tree and layout as a block drafter
+    Drafting.HEADS: block_draft,
 }
 """A policy's ``drafting`` -> the components its drafting adds to a step."""
 

@@ -408,10 +408,14 @@ def _draft_steps(merged: dict, table: dict, policy: Policy, where: str) -> tuple
                 f"{where}: with topk = {topk} the tree's size 'num_draft_tokens' must be given"
             )
         draft = _int(merged["num_draft_tokens"], f"{where}.num_draft_tokens", 2)
-        if draft > k * topk + 1:
+        # steps keep top-k tokens in all (a beam); heads' trees branch top-k at every node
+        heads = policy.drafting is Drafting.HEADS
+        most = sum(topk**d for d in range(1, k + 1)) if heads else k * topk
+        if draft > most + 1:
             raise ScenarioError(
-                f"{where}.num_draft_tokens: {draft} is more than {k} steps of top-{topk} can "
-                f"propose (at most {k * topk} nodes + the root)"
+                f"{where}.num_draft_tokens: {draft} is more than {k} "
+                f"{'heads' if heads else 'steps'} of top-{topk} can propose (at most {most} "
+                "nodes + the root)"
             )
     return k + 1, draft - 1, topk
 
@@ -446,15 +450,23 @@ def _point(
                 f"{where}.budget: policy {policy.name!r} has no draft tree; leave it out"
             )
         drafter = None
-    elif policy.drafting.in_steps:
+    elif policy.drafting.step_fields:
         block, budget, topk = _draft_steps(merged, table, policy, where)
         if policy.drafting is Drafting.MTP:
             drafter = mtp_drafter(model, drafter, where)
+        elif policy.drafting is Drafting.LOOKUP:
+            if drafter is not None:
+                raise ScenarioError(
+                    f"{where}.drafter: policy {policy.name!r} looks its tokens up on the host "
+                    "and runs no drafter; leave the drafter out"
+                )
         elif drafter is None or not drafter.layers:
             raise ScenarioError(
                 f"{where}: policy {policy.name!r} needs a drafter with 'params' and 'layers' "
                 "(its own layers, run once per draft step)"
             )
+        elif policy.drafting is Drafting.HEADS:
+            drafter = replace(drafter, shares_target_lm_head=False)  # each head projects itself
     else:
         if "block_size" not in table:
             raise ScenarioError(f"{where}: missing field 'block_size'")
@@ -494,7 +506,7 @@ def _point(
         deployment=deployment,
         gpus_per_node=per_node,
         inter_node=inter,
-        draft_topk=topk if policy.needs_drafter and policy.drafting.in_steps else 1,
+        draft_topk=topk if policy.needs_drafter and policy.drafting.step_fields else 1,
         host=_host_cpu(merged.get("host_cpu", ""), hardware, f"{where}.host_cpu"),
         stack=one_of(merged.get("stack", "any"), STACKS, f"{where}.stack"),
     )
