@@ -406,8 +406,13 @@ def match_gpu(device_name: str, catalog: dict[str, Hardware] | None = None) -> H
 def load_catalog() -> dict[str, Hardware]:
     """The built-in catalog, keyed by short name (``b300``, ``rtx-pro-6000``, ...)."""
     text = resources.files("ddtree.perf").joinpath("data/hardware.toml").read_text()
+    return catalog_from_toml(text, "ddtree/perf/data/hardware.toml")
+
+
+def catalog_from_toml(text: str, where: str) -> dict[str, Hardware]:
+    """A catalog from TOML text in ``data/hardware.toml``'s form: every entry gives the
+    ``CATALOG_REQUIRED`` fields, each figure with a source."""
     data = tomllib.loads(text)
-    where = "ddtree/perf/data/hardware.toml"
     for key, entry in data.items():
         for need in CATALOG_REQUIRED:
             if need not in entry:
