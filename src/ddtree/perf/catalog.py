@@ -17,7 +17,36 @@ from typing import Any
 from ddtree.perf.units import BANDWIDTH, BYTES, FLOP_RATE, TIME, Dim, UnitError, parse_quantity
 from ddtree.records import BenchAllreduce, BenchBandwidth
 
-PRECISIONS = ("bf16", "fp8", "fp4")
+PRECISIONS = ("bf16", "fp16", "fp8", "fp4")
+"""Compute precisions with a dense (and sparse) FLOP/s figure. ``fp16`` is given only for GPUs
+with no BF16 (V100, T4); ``peak_flops`` runs BF16 work there at the FP16 rate."""
+
+VENDORS = ("nvidia", "amd")
+GENERATIONS = (
+    "volta", "turing", "ampere", "ada", "hopper", "blackwell", "blackwell-consumer",
+    "blackwell-ultra", "cdna2", "cdna3", "cdna4",
+)  # fmt: skip
+"""``blackwell`` is the data-centre part (B200, GB200: sm_100, tcgen05 tensor memory);
+``blackwell-consumer`` the GeForce / RTX PRO part (RTX 5090, RTX PRO 6000: sm_120, no
+tcgen05, warp-level MMA): the same number formats, but the serving kernels written for sm_100
+(trtllm-gen, DeepGEMM, FlashMLA) do not run there. ``blackwell-ultra``: B300, GB300."""
+NATIVE_FORMATS = ("fp16", "bf16", "int8", "fp8", "fp4", "mxfp4")
+"""Number formats a tensor / matrix unit computes in natively (``native_formats``)."""
+# a weight format (``model.PRECISION_BYTES``) -> the native format it needs, None: never native
+# (int4 is weight-only, dequantised to BF16 before the MMA; fp32 runs no tensor-core MMA)
+_WEIGHT_NATIVE: dict[str, str | None] = {
+    "fp32": None,
+    "bf16": "bf16",
+    "fp16": "fp16",
+    "int8": "int8",
+    "fp8": "fp8",
+    "fp8-block128": "fp8",
+    "int4-g32": None,
+    "int4-g128": None,
+    "fp4": "fp4",  # nvfp4
+    "nvfp4": "fp4",
+    "mxfp4": "mxfp4",
+}
 
 # field in the TOML -> (dimension, attribute)
 _FIGURES: dict[str, Dim] = {
@@ -29,10 +58,12 @@ _FIGURES: dict[str, Dim] = {
     **{f"{p}_sparse": FLOP_RATE for p in PRECISIONS},
 }
 _TEXT_FIELDS = ("name", "interconnect", "base", "host_cpu")
+# sourced text fields (``{ value, source }``) checked against a fixed set of values
+_CHOICE_FIELDS: dict[str, tuple[str, ...]] = {"vendor": VENDORS, "generation": GENERATIONS}
 # figures that may be 0 (unknown: no memory fit check, no link term, no all-reduce latency);
 # every other figure (a bandwidth, a FLOP rate) divides a time and must be > 0
 _MAY_BE_ZERO = ("memory", "link_bandwidth", "allreduce_latency")
-_LIST_FIELDS = ("match",)
+_LIST_FIELDS = ("match", "native_formats")
 _INT_FIELDS = ("gpus_per_node",)
 DEFAULT_GPUS_PER_NODE = 8
 """GPUs that share an entry's interconnect when the entry does not say (an HGX node)."""
@@ -78,14 +109,49 @@ class Hardware:
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     # the host CPU class (``data/hosts.toml``) that runs the engine's host side
     host_cpu: str = "xeon-8480c"
+    # "nvidia" | "amd" ("" where a scenario's own table does not say)
+    vendor: str = ""
+    # architecture generation, one of GENERATIONS ("" where not said)
+    generation: str = ""
+    # number formats the tensor / matrix units compute in natively, from NATIVE_FORMATS
+    # (empty where not said: ``native`` then goes by the dense FLOP/s figures given)
+    native_formats: tuple[str, ...] = ()
 
     def peak_flops(self, precision: str) -> float:
-        """Dense FLOP/s for a compute precision; falls back to the next wider one."""
-        order = ["fp4", "fp8", "bf16"]
-        for p in order[order.index(precision) :] if precision in order else ["bf16"]:
+        """Dense FLOP/s for a compute precision; falls back to the next wider one (fp4 ->
+        fp8 -> bf16). A GPU with no BF16 (V100, T4) runs BF16 work at its FP16 rate (the
+        weights converted to FP16), and FP16 work runs at the BF16 rate where only that is given.
+        """
+        chains = {
+            "fp4": ("fp4", "fp8", "bf16", "fp16"),
+            "fp8": ("fp8", "bf16", "fp16"),
+            "bf16": ("bf16", "fp16"),
+            "fp16": ("fp16", "bf16"),
+        }
+        for p in chains.get(precision, ("bf16", "fp16")):
             if p in self.dense_flops:
                 return self.dense_flops[p]
         raise CatalogError(f"hardware {self.key!r} has no dense FLOP/s figure for {precision}")
+
+    def native(self, fmt: str) -> bool:
+        """Whether weights in ``fmt`` (a ``model.PRECISION_BYTES`` format, or ``nvfp4``) compute
+        natively on this GPU's tensor / matrix units: ``fp8-block128`` needs fp8, ``fp4`` /
+        ``nvfp4`` fp4, ``mxfp4`` mxfp4; int4 formats (weight-only, dequantised) and fp32 never.
+        An entry without ``native_formats`` goes by its dense figures: bf16 / fp16 yes, fp8 and
+        int8 where it has an fp8 figure, fp4 and mxfp4 where it has an fp4 figure."""
+        if fmt not in _WEIGHT_NATIVE:
+            raise CatalogError(
+                f"hardware {self.key!r}: unknown weight format {fmt!r}; "
+                f"known: {', '.join(_WEIGHT_NATIVE)}"
+            )
+        need = _WEIGHT_NATIVE[fmt]
+        if need is None:
+            return False
+        if self.native_formats:
+            return need in self.native_formats
+        if need in ("bf16", "fp16"):
+            return True
+        return ("fp8" if need in ("fp8", "int8") else "fp4") in self.dense_flops
 
 
 def _figure(entry: dict, key: str, name: str, where: str, default_kind: str):
@@ -120,7 +186,7 @@ def hardware_from_dict(
     default_kind: str = "catalog",
 ) -> Hardware:
     """Build a Hardware from a TOML table; ``base`` supplies any figure not given."""
-    known = [*_TEXT_FIELDS, *_LIST_FIELDS, *_INT_FIELDS, *_FIGURES]
+    known = [*_TEXT_FIELDS, *_CHOICE_FIELDS, *_LIST_FIELDS, *_INT_FIELDS, *_FIGURES]
     unknown = set(entry) - set(known)
     if unknown:
         raise CatalogError(
@@ -135,6 +201,30 @@ def hardware_from_dict(
         raise CatalogError(f"{where}: hardware.{key}.match must be a list of strings")
     vals: dict[str, float] = {}
     prov: dict[str, Provenance] = dict(base.provenance) if base else {}
+    choice = {name: getattr(base, name) if base else "" for name in _CHOICE_FIELDS}
+    for name, allowed in _CHOICE_FIELDS.items():
+        if name in entry:
+            value, prov[name] = _figure(entry, key, name, where, default_kind)
+            if value not in allowed:
+                raise CatalogError(
+                    f"{where}: hardware.{key}.{name}: {value!r} is not one of {', '.join(allowed)}"
+                )
+            choice[name] = value
+    formats = base.native_formats if base else ()
+    if "native_formats" in entry:
+        value, prov["native_formats"] = _figure(entry, key, "native_formats", where, default_kind)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(f, str) for f in value):
+            raise CatalogError(
+                f"{where}: hardware.{key}.native_formats must be a list of format names"
+            )
+        bad = [f for f in value if f not in NATIVE_FORMATS]
+        if bad or len(set(value)) != len(value) or not value:
+            what = f"unknown {', '.join(map(repr, bad))}" if bad else "empty or repeated names"
+            raise CatalogError(
+                f"{where}: hardware.{key}.native_formats: {what}; "
+                f"expected some of {', '.join(NATIVE_FORMATS)}"
+            )
+        formats = tuple(value)
     if base is not None:
         vals.update(
             memory=base.memory_bytes,
@@ -197,6 +287,9 @@ def hardware_from_dict(
         match=tuple(match),
         gpus_per_node=per_node,
         host_cpu=text["host_cpu"],
+        vendor=choice["vendor"],
+        generation=choice["generation"],
+        native_formats=formats,
     )
 
 
@@ -313,9 +406,25 @@ def match_gpu(device_name: str, catalog: dict[str, Hardware] | None = None) -> H
 def load_catalog() -> dict[str, Hardware]:
     """The built-in catalog, keyed by short name (``b300``, ``rtx-pro-6000``, ...)."""
     text = resources.files("ddtree.perf").joinpath("data/hardware.toml").read_text()
+    return catalog_from_toml(text, "ddtree/perf/data/hardware.toml")
+
+
+def catalog_from_toml(text: str, where: str) -> dict[str, Hardware]:
+    """A catalog from TOML text in ``data/hardware.toml``'s form: every entry gives the
+    ``CATALOG_REQUIRED`` fields, each figure with a source."""
     data = tomllib.loads(text)
-    where = "ddtree/perf/data/hardware.toml"
+    for key, entry in data.items():
+        for need in CATALOG_REQUIRED:
+            if need not in entry:
+                raise CatalogError(f"{where}: hardware.{key} needs '{need}'")
     return {key: hardware_from_dict(key, entry, where) for key, entry in data.items()}
+
+
+CATALOG_REQUIRED = (
+    "name", "memory", "hbm_bandwidth", "interconnect", "link_bandwidth", "allreduce_latency",
+    "match", "host_cpu", "vendor", "generation", "native_formats",
+)  # fmt: skip
+"""Fields every built-in entry gives (a scenario's own tables may leave them out)."""
 
 
 CPU_THREAD_PEAK_FLOPS = 2 * 8 * 2 * 3.0e9  # FLOP/s per thread, float32 AVX2 FMA (assumed)
