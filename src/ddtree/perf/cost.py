@@ -669,6 +669,16 @@ def _kv_shard(model: ModelShape, tp: int) -> int:
     return 1 if model.attention == "mla" else min(tp, model.num_kv_heads)
 
 
+def _state_bytes(model: ModelShape, pt: Point) -> float:
+    """Linear-attention layers: each request's recurrent state, read and written once per
+    forward (split over TP by value heads)."""
+    if not model.linear_layers:
+        return 0.0
+    shard = min(pt.weight_shards, model.linear_num_value_heads)
+    per = model.linear_layers * model.state_bytes_per_request_layer() * 2.0 / shard
+    return pt.requests_per_gpu * per
+
+
 # ---- the target forward -------------------------------------------------------------------
 
 
@@ -684,17 +694,22 @@ def attention(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Compo
         * model.kv_bytes_per_token_layer()
         / _kv_shard(model, tp)
     )
+    keys = model.kv_tokens_read(fwd.context) + model.attention_layers * fwd.width
     flops = 2.0 * T * L * model.attention_params_per_layer / tp + (
-        T * L * (fwd.context + fwd.width) * model.attention_flops_per_query_key() / tp
+        T * keys * model.attention_flops_per_query_key() / tp
+        + T * model.linear_layers * model.linear_flops_per_token_layer() / tp
     )
     return _device(
-        "attention (weights + KV)", fwd.stage, pt, params, weights + kv, flops,
+        "attention (weights + KV)", fwd.stage, pt, params,
+        weights + kv + _state_bytes(model, pt), flops,
         COMPUTE_PRECISION[model.precision["attention"]],
         L * KERNELS["attention" if model.attention == "mla" else "attention_gqa"],
         "L x attn params x bytes/param / TP (K/V projections replicated past the KV heads) + "
         "C x L x context (sliding layers: at most the "
-        "window) x KV bytes/token "
-        "(FLOPs 2 x M x C x L x attn params + M x C x L x (context + M) x FLOPs/query-key)",
+        "window; linear-attention layers none) x KV bytes/token + C x L_linear x state bytes "
+        "x 2 (read + write) "
+        "(FLOPs 2 x M x C x L x attn params + M x C x (keys read + L_attn x M) x "
+        "FLOPs/query-key)",
     )  # fmt: skip
 
 
@@ -706,10 +721,12 @@ def attention_scores(model: ModelShape, pt: Point, params: dict, fwd: Forward):
     if passes is None:
         return None
     heads = model.num_heads / min(pt.weight_shards, model.num_heads)
-    scores = pt.requests_per_gpu * model.num_layers * heads * fwd.width * (fwd.context + fwd.width)
+    keys = model.kv_tokens_read(fwd.context) + model.attention_layers * fwd.width
+    scores = pt.requests_per_gpu * heads * fwd.width * keys
     return _stream(
         "attention scores", fwd.stage, pt, params, scores * 4.0 * passes, 0.0,
-        "C x L x heads/TP x M x (context + M) x 4 B x score passes (unfused softmax)",
+        "C x heads/TP x M x (keys read over the layers + L_attn x M) x 4 B x score passes "
+        "(unfused softmax)",
     )  # fmt: skip
 
 
@@ -747,7 +764,7 @@ def shared_experts(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> 
     Lm = model.num_moe_layers
     if not Lm or not model.n_shared_experts:
         return None
-    sp = model.n_shared_experts * model.expert_params
+    sp = model.shared_expert_params
     return _device(
         "shared experts", fwd.stage, pt, params,
         Lm * sp * model.bytes_per_param("shared_experts") / pt.weight_shards,
@@ -1021,10 +1038,12 @@ def kv_commit(model: ModelShape, pt: Point, params: dict, tau) -> Component:
     tau_v = 0.0 if tau is None else np.asarray(tau)
     return _device(
         "KV commit", Stage.COMMIT, pt, params,
-        pt.requests_per_gpu * tau_v * model.num_layers * model.kv_bytes_per_token_layer() * 2.0
-        / _kv_shard(model, pt.weight_shards),
+        pt.requests_per_gpu * tau_v * model.attention_layers * model.kv_bytes_per_token_layer()
+        * 2.0 / _kv_shard(model, pt.weight_shards)
+        + np.minimum(tau_v, 1.0) * _state_bytes(model, pt),
         0.0, "bf16", model.num_layers * KERNELS["commit_per_layer"],
-        "C x tau x L x KV bytes/token x 2 (read + write), one kernel per layer",
+        "C x tau x L_attn x KV bytes/token x 2 (read + write) + C x L_linear x state bytes x 2 "
+        "(the accepted node's recurrent state), one kernel per layer",
     )  # fmt: skip
 
 

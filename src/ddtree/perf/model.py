@@ -14,6 +14,7 @@ copies in ai-dynamo/aiconfigurator ``model_configs/`` where it has them).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,9 @@ PRECISION_BYTES: dict[str, float] = {
     "fp8": 1.0,
     "fp8-block128": 1.0 + 4.0 / (128 * 128),  # float32 scale per 128x128 block
     "int8": 1.0,
+    "int4": 0.5,  # per-output-channel scale (GPTQ/AWQ group_size -1): negligible
     "int4-g32": 0.5 + 2.0 / 32,  # bf16 scale per group of 32
+    "int4-g64": 0.5 + 2.0 / 64,
     "int4-g128": 0.5 + 2.0 / 128,
     "fp4": 0.5 + 1.0 / 16,  # nvfp4: fp8 scale per 16
     "mxfp4": 0.5 + 1.0 / 32,  # OCP MX: an 8-bit (e8m0) scale per block of 32 (gpt-oss experts)
@@ -41,7 +44,9 @@ COMPUTE_PRECISION = {
     "fp8": "fp8",
     "fp8-block128": "fp8",
     "int8": "fp8",
+    "int4": "bf16",
     "int4-g32": "bf16",
+    "int4-g64": "bf16",
     "int4-g128": "bf16",
     "fp4": "fp4",
     "mxfp4": "bf16",  # dequantised into BF16 MMA by the Hopper-class kernels (assumed)
@@ -80,6 +85,15 @@ class ModelShape:
     sliding_window: int = 0  # keys a sliding-window layer attends to (0: none)
     sliding_layers: int = 0  # how many layers attend through that window
     mtp_layers: int = 0  # num_nextn_predict_layers: multi-token-prediction layers shipped
+    moe_layers: int = -1  # layers with routed experts (-1: num_layers - first_k_dense)
+    attn_output_gate: bool = False  # q_proj also yields a per-head output gate (Qwen3-Next)
+    # linear-attention (Gated DeltaNet) layers: a fixed recurrent state per request, no KV cache
+    linear_layers: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
 
     def __post_init__(self) -> None:
         full = {c: "bf16" for c in COMPONENTS}
@@ -97,14 +111,76 @@ class ModelShape:
     # ---- derived sizes (params are counts, bytes are per layer / per token) ----
     @property
     def num_moe_layers(self) -> int:
-        return self.num_layers - self.first_k_dense if self.n_routed_experts else 0
+        if not self.n_routed_experts:
+            return 0
+        return self.moe_layers if self.moe_layers >= 0 else self.num_layers - self.first_k_dense
+
+    @property
+    def attention_layers(self) -> int:
+        """Softmax-attention layers (full or sliding): the ones with a KV cache."""
+        return self.num_layers - self.linear_layers
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        """Width of one MoE layer's shared experts together (Qwen2-MoE's field of that name)."""
+        return self.n_shared_experts * self.moe_intermediate_size
+
+    @property
+    def shared_expert_params(self) -> int:
+        return self.n_shared_experts * self.expert_params
+
+    @property
+    def linear_attention_params_per_layer(self) -> int:
+        """Gated DeltaNet projections: q/k/v/z and the b/a gates in, the conv, out.
+        Example (Qwen3-Next-80B: hidden 2048, 16 key heads x 128, 32 value heads x 128, conv 4):
+        2048 x (2x16x128 + 2x32x128 + 2x32) + (2x16x128 + 32x128) x 4 + 32x128 x 2048."""
+        if not self.linear_layers:
+            return 0
+        h = self.hidden_size
+        k = self.linear_num_key_heads * self.linear_key_head_dim
+        v = self.linear_num_value_heads * self.linear_value_head_dim
+        inp = h * (2 * k + 2 * v + 2 * self.linear_num_value_heads)
+        return inp + (2 * k + v) * self.linear_conv_kernel + v * h
+
+    def state_bytes_per_request_layer(self) -> float:
+        """Recurrent state one request keeps in one linear-attention layer, at the KV-cache
+        precision: the delta-rule state (value heads x key dim x value dim) and the conv window
+        ((kernel - 1) x conv channels). Read and written once per forward, whatever the context."""
+        if not self.linear_layers:
+            return 0.0
+        b = PRECISION_BYTES[self.precision["kv_cache"]]
+        nv = self.linear_num_value_heads
+        ssm = nv * self.linear_key_head_dim * self.linear_value_head_dim
+        channels = 2 * self.linear_num_key_heads * self.linear_key_head_dim
+        conv = (self.linear_conv_kernel - 1) * (channels + nv * self.linear_value_head_dim)
+        return (ssm + conv) * b
+
+    def linear_flops_per_token_layer(self) -> float:
+        """Delta-rule FLOPs per token and linear layer beyond the projections: decay, rank-1
+        update and read-out of the value heads' dk x dv state (about 6 x nv x dk x dv)."""
+        nv, dk, dv = (
+            self.linear_num_value_heads,
+            self.linear_key_head_dim,
+            self.linear_value_head_dim,
+        )
+        return 6.0 * nv * dk * dv if self.linear_layers else 0.0
 
     @property
     def num_dense_layers(self) -> int:
         return self.num_layers - self.num_moe_layers
 
     @property
-    def attention_params_per_layer(self) -> int:
+    def attention_params_per_layer(self) -> float:
+        """Attention parameters per layer, averaged over the layers where linear-attention
+        layers mix with softmax ones (so ``num_layers x`` this is the model's attention)."""
+        soft = self.softmax_attention_params_per_layer
+        if not self.linear_layers:
+            return soft
+        lin = self.linear_attention_params_per_layer
+        return (self.attention_layers * soft + self.linear_layers * lin) / self.num_layers
+
+    @property
+    def softmax_attention_params_per_layer(self) -> int:
         h = self.hidden_size
         if self.attention == "mla":
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -119,7 +195,8 @@ class ModelShape:
             o = self.num_heads * self.v_head_dim * h
             return q + kv + o
         d = self.head_dim
-        return h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
+        q = self.num_heads * (2 if self.attn_output_gate else 1)
+        return h * d * (q + 2 * self.num_kv_heads) + self.num_heads * d * h
 
     def attention_params_per_shard(self, shards: int) -> float:
         """Attention parameters one of ``shards`` tensor-parallel GPUs holds: query and output
@@ -127,11 +204,16 @@ class ModelShape:
         ways (past that each GPU keeps a whole KV head: replicated). MLA splits evenly.
         Example (Llama 3.1 70B, 8 KV heads) at 16: q/o 1/16 each, k/v 1/8."""
         if self.attention == "mla":
-            return self.attention_params_per_layer / shards
-        d, h = self.head_dim, self.hidden_size
-        q_o = 2 * h * d * self.num_heads
-        k_v = 2 * h * d * self.num_kv_heads
-        return q_o / shards + k_v / min(shards, self.num_kv_heads)
+            soft = self.softmax_attention_params_per_layer / shards
+        else:
+            d, h = self.head_dim, self.hidden_size
+            q_o = (3 if self.attn_output_gate else 2) * h * d * self.num_heads
+            k_v = 2 * h * d * self.num_kv_heads
+            soft = q_o / shards + k_v / min(shards, self.num_kv_heads)
+        if not self.linear_layers:
+            return soft
+        lin = self.linear_attention_params_per_layer / shards  # split by heads
+        return (self.attention_layers * soft + self.linear_layers * lin) / self.num_layers
 
     @property
     def expert_params(self) -> int:
@@ -147,9 +229,10 @@ class ModelShape:
 
     def kv_tokens_read(self, context):
         """Cached tokens the attention layers read for one query at ``context``, summed over
-        layers: full layers read all of it, sliding-window ones at most the window.
+        layers: full layers read all of it, sliding-window (and chunked) ones at most the window;
+        linear-attention layers read no KV (their state: ``state_bytes_per_request_layer``).
         Example (gpt-oss-120b: 36 layers, 18 of them window 128) at 2048: 18 x 2048 + 18 x 128."""
-        full = self.num_layers - self.sliding_layers
+        full = self.attention_layers - self.sliding_layers
         return full * context + self.sliding_layers * np.minimum(context, self.sliding_window)
 
     def kv_bytes_per_token_layer(self) -> float:
@@ -165,6 +248,16 @@ class ModelShape:
             return 2.0 * self.num_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
         return 4.0 * self.num_heads * self.head_dim
 
+    def total_params(self) -> float:
+        """Every parameter: all experts, the input embedding and the LM head (untied)."""
+        return (
+            self.num_layers * self.attention_params_per_layer
+            + self.num_moe_layers * (self.n_routed_experts * self.expert_params
+                                     + self.shared_expert_params)
+            + self.num_dense_layers * self.dense_mlp_params
+            + 2 * self.lm_head_params
+        )  # fmt: skip
+
     def bytes_per_param(self, component: str) -> float:
         return PRECISION_BYTES[self.precision[component]]
 
@@ -172,7 +265,7 @@ class ModelShape:
         """Parameters read for one token (whole model, routed top-k only)."""
         return (
             self.num_layers * self.attention_params_per_layer
-            + self.num_moe_layers * (self.top_k + self.n_shared_experts) * self.expert_params
+            + self.num_moe_layers * (self.top_k * self.expert_params + self.shared_expert_params)
             + self.num_dense_layers * self.dense_mlp_params
             + self.lm_head_params
         )
@@ -309,100 +402,474 @@ PRESETS: dict[str, ModelShape] = {
 }  # fmt: skip
 
 
-def _precision_from_quant(cfg: dict[str, Any]) -> dict[str, str]:
-    q = cfg.get("quantization_config") or {}
-    method = str(q.get("quant_method", "")).lower()
+# ---- reading a Hugging Face config.json ---------------------------------------------------
+
+_LINEAR = ("attention", "routed_experts", "shared_experts", "dense_mlp")
+# model types whose config.json fields this reader knows; the rest are read only when they
+# carry none of the fields in _UNKNOWN_RISK (a plain Llama-like decoder)
+KNOWN_MODEL_TYPES = (
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next",
+    "deepseek_v2", "deepseek_v3", "kimi_k2", "gpt_oss", "glm4_moe", "gemma3", "gemma3_text",
+    "llama4", "llama4_text", "minimax_m2",
+)  # fmt: skip
+_UNKNOWN_RISK = re.compile(
+    r"expert|moe|lora_rank|linear_|sliding|layer_types|window|chunk|mamba|ssm|conv_|nextn|mtp"
+    r"|global_|interleave|hybrid|attn_type|block_types|kv_shared|sparse"
+)
+# the fields this reader reads the same way whatever the model type
+_GENERIC_FIELDS = {
+    "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
+    "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "n_shared_experts", "shared_expert_intermediate_size",
+    "first_k_dense_replace", "moe_layer_freq", "mlp_only_layers", "decoder_sparse_step",
+    "q_lora_rank", "kv_lora_rank", "num_nextn_predict_layers", "output_router_logits",
+    "router_aux_loss_coef", "norm_topk_prob", "topk_method", "n_group", "topk_group",
+}  # fmt: skip
+# defaults of the transformers config class that published configs rely on (the field is
+# absent from the file): Gemma3TextConfig
+_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"vocab_size": 262208, "max_position_embeddings": 131072,
+                    "sliding_window_pattern": 6},
+}  # fmt: skip
+_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+# Gemma 4: per-layer-type head dims (global_head_dim) and K = V sharing on global layers
+_REFUSED = {
+    "gemma4": "per-layer-type attention shapes (global_head_dim, num_global_key_value_heads, "
+    "attention_k_eq_v) and a dense MLP beside the MoE block in every layer; ModelShape has one "
+    "attention shape and one MLP kind per layer",
+    "gemma4_text": "see gemma4",
+}
+
+
+def _classify_module(name: str) -> str | None:
+    """Which cost component a quantisation ``ignore`` / ``exclude_modules`` entry names (None:
+    one the cost model does not price: routers, embeddings, norms, vision, MTP). A regex
+    (``re:``) is read by the module names it spells out."""
+    n = name.removeprefix("re:").lower()
+    if "lm_head" in n:
+        return "lm_head"
+    if re.search(r"embed|vision|visual|vit\b|mm_projector|multi_modal|audio|norm|\bmtp\b|nextn", n):
+        return None
+    if re.search(r"(mlp|moe|block_sparse_moe|feed_forward)\.(gate|router)\b|\brouter\b", n) or (
+        re.search(r"\.gate$|e_score_correction_bias|shared_expert_gate", n)
+    ):
+        return None
+    if "shared_expert" in n:
+        return "shared_experts"
+    if "expert" in n:
+        return "routed_experts"
+    if re.search(r"attn|attention|[qkvo]_proj|qkv|kv_a|kv_b|q_a|q_b|in_proj|out_proj|conv1d", n):
+        return "attention"
+    if re.search(r"mlp|gate_proj|up_proj|down_proj|feed_forward|ffn", n):
+        return "dense_mlp"
+    return None if n in ("gate", "router") else ""
+
+
+def _excluded(entries, where: str, field: str) -> dict[str, str]:
+    """Components a list of left-unquantised modules covers: ``all`` when no layer index
+    restricts an entry, else ``some`` (counted as quantised, noted in the source)."""
+    out: dict[str, str] = {}
+    if entries is None:
+        return out
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise ModelError(f"{where}: quantization_config.{field}: expected a list of module names")
+    for e in entries:
+        comp = _classify_module(e)
+        if comp == "":
+            raise ModelError(
+                f"{where}: quantization_config.{field} entry {e!r}: cannot tell which component "
+                "(attention, experts, shared experts, dense MLP, lm_head, router) it names"
+            )
+        if comp is None:
+            continue
+        whole = not re.search(r"layers\.\d+\.", e)
+        out[comp] = "all" if whole or out.get(comp) == "all" else "some"
+    return out
+
+
+def _int4(bits, group, where: str, field: str) -> str:
+    if bits == 8:
+        return "int8"
+    if bits != 4:
+        raise ModelError(f"{where}: {field}: {bits}-bit weights; expected 4 or 8")
+    if group in (-1, None, 0):
+        return "int4"
+    if group in (32, 64, 128):
+        return f"int4-g{group}"
+    raise ModelError(f"{where}: {field}: int4 group size {group}; expected 32, 64, 128 or -1")
+
+
+def _ct_scheme(w: dict, where: str, gname: str) -> str:
+    """compressed-tensors weight scheme -> precision key."""
+    bits, kind = w.get("num_bits"), str(w.get("type", "int")).lower()
+    strategy, gs = str(w.get("strategy", "")).lower(), w.get("group_size")
+    field = f"quantization_config.config_groups.{gname}.weights"
+    if kind == "float" and bits == 8:
+        block = w.get("block_structure")
+        if strategy == "block":
+            if list(block or []) != [128, 128]:
+                raise ModelError(f"{where}: {field}.block_structure = {block}; expected [128, 128]")
+            return "fp8-block128"
+        return "fp8"
+    if kind == "float" and bits == 4:
+        if gs != 16:
+            raise ModelError(f"{where}: {field}: fp4 group size {gs}; expected 16 (NVFP4)")
+        return "fp4"
+    if kind == "int":
+        return _int4(bits, gs if strategy == "group" else -1, where, field)
+    raise ModelError(f"{where}: {field}: {kind} {bits}-bit weights; expected int4/int8/fp8/fp4")
+
+
+def _ct_targets(targets, where: str, gname: str) -> set[str]:
+    comps: set[str] = set()
+    for t in targets or ["Linear"]:
+        if t == "Linear":
+            comps.update(_LINEAR)
+            continue
+        comp = _classify_module(t)
+        if not comp:
+            raise ModelError(
+                f"{where}: quantization_config.config_groups.{gname}.targets entry {t!r}: "
+                "expected 'Linear' or a module name of one component"
+            )
+        comps.add(comp)
+    return comps
+
+
+def _precision_from_quant(cfg: dict[str, Any], where: str = "config") -> tuple[dict, list[str]]:
+    """Per-component weight (and KV) precision from ``quantization_config``; the notes say what
+    was read. Unquantised components keep the checkpoint dtype."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return {}, []
+    if not isinstance(q, dict):
+        raise ModelError(f"{where}: quantization_config must be a table")
+    method = str(q.get("quant_method", "")).lower().replace("_", "-")
+    out: dict[str, str] = {}
+    skip_field = "modules_to_not_convert"
     if method == "fp8":
-        return dict(_FP8_ALL)
-    if method == "mxfp4":  # gpt-oss: the routed experts only
-        return {"routed_experts": "mxfp4"}
-    if method in ("compressed-tensors", "compressed_tensors"):
+        block = q.get("weight_block_size")
+        if block is None:
+            prec = "fp8"
+        elif list(block) == [128, 128]:
+            prec = "fp8-block128"
+        else:
+            raise ModelError(f"{where}: quantization_config.weight_block_size = {block}; "
+                             "expected [128, 128] or none (per-tensor)")  # fmt: skip
+        out = dict.fromkeys(_LINEAR, prec)
+    elif method == "mxfp4":  # gpt-oss: the routed experts only
+        out = {"routed_experts": "mxfp4"}
+    elif method in ("awq", "gptq"):
+        if q.get("dynamic"):
+            raise ModelError(f"{where}: quantization_config.dynamic (per-module GPTQ overrides) "
+                             "is not read; expected none")  # fmt: skip
+        bits = q.get("bits", q.get("w_bit"))
+        prec = _int4(bits, q.get("group_size", q.get("q_group_size")), where,
+                     f"quantization_config ({method})")  # fmt: skip
+        out = dict.fromkeys(_LINEAR, prec)
+        if q.get("lm_head"):
+            out["lm_head"] = prec
+    elif method == "compressed-tensors":
         groups = q.get("config_groups") or {}
-        for g in groups.values():
-            w = g.get("weights") or {}
-            if w.get("num_bits") == 4:
-                gs = w.get("group_size") or 32
-                prec = "int4-g32" if gs <= 32 else "int4-g128"
-                ignore = " ".join(q.get("ignore") or [])
-                out = {"routed_experts": prec}
-                for comp, key in (("attention", "self_attn"), ("shared_experts", "shared_experts")):
-                    if key not in ignore and ignore:
-                        out[comp] = prec
-                return out
-    return {}
+        if not groups:
+            raise ModelError(f"{where}: quantization_config.config_groups: none; expected one")
+        for gname, g in groups.items():
+            prec = _ct_scheme(g.get("weights") or {}, where, gname)
+            for comp in _ct_targets(g.get("targets"), where, gname):
+                out[comp] = prec
+        kv = q.get("kv_cache_scheme")
+        if kv:
+            if kv.get("type") == "float" and kv.get("num_bits") == 8:
+                out["kv_cache"] = "fp8"
+            else:
+                raise ModelError(f"{where}: quantization_config.kv_cache_scheme {kv}; "
+                                 "expected fp8 or none")  # fmt: skip
+        skip_field = "ignore"
+    elif method == "modelopt":
+        algo = str(q.get("quant_algo", "")).upper()
+        prec = {"NVFP4": "fp4", "FP8": "fp8"}.get(algo)
+        if prec is None:
+            raise ModelError(f"{where}: quantization_config.quant_algo = {algo!r} (modelopt); "
+                             "expected NVFP4 or FP8")  # fmt: skip
+        out = dict.fromkeys(_LINEAR, prec)
+        kv = q.get("kv_cache_quant_algo")
+        if kv:
+            if str(kv).upper() != "FP8":
+                raise ModelError(f"{where}: quantization_config.kv_cache_quant_algo = {kv!r}; "
+                                 "expected FP8 or none")  # fmt: skip
+            out["kv_cache"] = "fp8"
+        skip_field = "exclude_modules"
+    elif method == "bitsandbytes":
+        raise ModelError(
+            f"{where}: quantization_config.quant_method = 'bitsandbytes': its NF4/int8 weights "
+            "dequantise per matmul in kernels none of the estimator's serving stacks run; "
+            "give [model.precision] by hand if you mean to price it"
+        )
+    else:
+        raise ModelError(
+            f"{where}: quantization_config.quant_method = {method!r}; expected one of fp8, "
+            "mxfp4, awq, gptq, compressed-tensors, modelopt"
+        )
+    notes = [f"quantization {method}"]
+    for comp, how in _excluded(q.get(skip_field), where, skip_field).items():
+        if how == "all":
+            out.pop(comp, None)
+            notes.append(f"{comp} left unquantised ({skip_field})")
+        else:
+            notes.append(f"{comp} unquantised in some layers only (counted quantised)")
+    return out, notes
+
+
+def _count(layers: int, pred) -> int:
+    return sum(1 for i in range(layers) if pred(i))
 
 
 def shape_from_config(
     cfg: dict[str, Any], name: str = "config", where: str = "config"
 ) -> ModelShape:
-    """Read a HF config dict (DeepSeek-V3 / Kimi-K2 / Qwen3 / Qwen3-MoE / Llama-like)."""
+    """Read a HF config dict: Llama 3/4, Mistral/Mixtral, Qwen2/2-MoE/3/3-MoE/3-Next,
+    DeepSeek-V2/V3/R1, Kimi K2, gpt-oss, GLM-4.5 (glm4_moe), Gemma 3, MiniMax-M2. A field
+    that changes the cost and is not understood is a ModelError naming it."""
+    outer = cfg
     if "text_config" in cfg and "hidden_size" not in cfg:
-        inner = dict(cfg["text_config"])
-        inner.setdefault("quantization_config", cfg.get("quantization_config"))
-        cfg = inner
+        cfg = dict(cfg["text_config"])
+        if outer.get("quantization_config") and not cfg.get("quantization_config"):
+            cfg["quantization_config"] = outer["quantization_config"]
+        for k in ("torch_dtype", "dtype"):
+            if k in outer and k not in cfg:
+                cfg[k] = outer[k]
+    mtype = str(cfg.get("model_type") or outer.get("model_type") or "")
+    notes: list[str] = []
+    if mtype in _REFUSED or str(outer.get("model_type")) in _REFUSED:
+        key = str(outer.get("model_type")) if outer.get("model_type") in _REFUSED else mtype
+        raise ModelError(f"{where}: model_type {key!r} cannot be priced: {_REFUSED[key]}")
+    if mtype not in KNOWN_MODEL_TYPES:
+        risky = sorted(
+            k for k in cfg
+            if _UNKNOWN_RISK.search(k) and k not in _GENERIC_FIELDS and cfg[k] not in (None, False)
+        )  # fmt: skip
+        if risky:
+            raise ModelError(
+                f"{where}: model_type {mtype or '(none)'!r} is not one this reader knows "
+                f"({', '.join(KNOWN_MODEL_TYPES)}) and its field(s) {', '.join(risky)} change "
+                "what a decode step reads; expected a known model_type"
+            )
+    defaults = _CLASS_DEFAULTS.get(mtype, {})
+    used_defaults = sorted(k for k in defaults if k not in cfg)
+    if used_defaults:
+        notes.append(f"{mtype} class defaults for " + ", ".join(
+            f"{k}={defaults[k]}" for k in used_defaults))  # fmt: skip
+
+    def get(key: str, default: Any = None) -> Any:
+        v = cfg.get(key)
+        return defaults.get(key, default) if v is None else v
 
     def need(key: str) -> Any:
-        if key not in cfg:
+        v = get(key)
+        if v is None:
             raise ModelError(f"{where}: config lacks field {key!r}")
-        return cfg[key]
+        return v
 
     layers, hidden = int(need("num_hidden_layers")), int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    mla = "kv_lora_rank" in cfg and cfg.get("kv_lora_rank")
-    experts = int(
-        cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    )
+    kv = int(get("num_key_value_heads") or heads)
+    mla = bool(get("kv_lora_rank"))
+
+    # ---- experts: how many, how wide, which layers -------------------------------------
+    experts = int(get("n_routed_experts") or get("num_experts") or get("num_local_experts") or 0)
+    top_k = int(get("num_experts_per_tok") or get("experts_per_token") or 0) if experts else 0
+    if experts and not top_k:
+        raise ModelError(f"{where}: {experts} experts but no num_experts_per_tok")
+    dense_inter = int(get("intermediate_size") or 0)
+    moe_inter = int(get("moe_intermediate_size") or 0)
+    shared = int(get("n_shared_experts") or 0)
+    if mtype.startswith("llama4"):  # experts and the one shared expert: intermediate_size
+        moe_inter, dense_inter, shared = dense_inter, int(get("intermediate_size_mlp") or 0), 1
+    elif mtype in ("gpt_oss", "mixtral", "minimax_m2") or (experts and not moe_inter):
+        moe_inter, dense_inter = dense_inter, 0  # the expert width is intermediate_size
+    if mtype == "minimax_m2" and int(get("shared_intermediate_size") or 0):
+        raise ModelError(f"{where}: shared_intermediate_size > 0 (a MiniMax shared expert) is "
+                         "not read; expected 0 as MiniMax-M2 publishes")  # fmt: skip
+    sei = int(get("shared_expert_intermediate_size") or 0)
+    if experts and sei:
+        if sei % moe_inter:
+            raise ModelError(f"{where}: shared_expert_intermediate_size {sei} is not a multiple "
+                             f"of moe_intermediate_size {moe_inter}")  # fmt: skip
+        shared = sei // moe_inter
     if experts:
-        first_dense = int(cfg.get("first_k_dense_replace", 0))
-        mlp_only = cfg.get("mlp_only_layers") or []
-        first_dense = max(first_dense, len(mlp_only))
+        if mtype.startswith("llama4"):
+            step = int(get("interleave_moe_layer_step") or 1)
+            explicit = get("moe_layers")
+            moe_set = set(explicit) if explicit else set(range(step - 1, layers, step))
+        elif mtype in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
+            only, step = set(get("mlp_only_layers") or []), int(get("decoder_sparse_step") or 1)
+            moe_set = {i for i in range(layers) if i not in only and (i + 1) % step == 0}
+        else:  # DeepSeek / Kimi / GLM: first_k_dense_replace, moe_layer_freq
+            first, freq = int(get("first_k_dense_replace") or 0), int(get("moe_layer_freq") or 1)
+            moe_set = {i for i in range(layers) if i >= first and i % freq == 0}
+        n_moe = len(moe_set)
+        first_dense = next((i for i in range(layers) if i in moe_set), layers)
+        if n_moe < layers and not dense_inter:
+            raise ModelError(f"{where}: {layers - n_moe} dense layers but no dense MLP width "
+                             "(intermediate_size)")  # fmt: skip
     else:
-        first_dense = layers
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    base = {"float32": "fp32", "float16": "fp16"}.get(dtype, "bf16")
-    precision = {c: base for c in COMPONENTS if c != "kv_cache"}
-    precision["kv_cache"] = base
-    precision.update(_precision_from_quant(cfg))
+        n_moe, first_dense = 0, layers
+
+    # ---- attention: which layers are full, sliding / chunked, linear ---------------------
+    window, sliding, linear = 0, 0, 0
+    types = get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise ModelError(f"{where}: layer_types: expected a list of {layers} layer kinds")
+        bad = sorted({t for t in types if t not in _LAYER_TYPES})
+        if bad:
+            raise ModelError(f"{where}: layer_types value(s) {', '.join(map(repr, bad))}; "
+                             f"expected {', '.join(_LAYER_TYPES)}")  # fmt: skip
+        sliding = sum(t in ("sliding_attention", "chunked_attention") for t in types)
+        linear = types.count("linear_attention")
+        if sliding:
+            window = int(get("sliding_window") or get("attention_chunk_size") or 0)
+            if not window:
+                raise ModelError(f"{where}: layer_types has sliding layers but no sliding_window")
+    elif mtype == "qwen3_next":
+        interval = int(need("full_attention_interval"))
+        linear = _count(layers, lambda i: (i + 1) % interval != 0)
+    elif mtype == "gemma3_text" or mtype == "gemma3":
+        pattern = int(need("sliding_window_pattern"))
+        window = int(need("sliding_window"))
+        sliding = _count(layers, lambda i: (i + 1) % pattern != 0)
+    elif mtype.startswith("llama4") and get("attention_chunk_size"):
+        window = int(get("attention_chunk_size"))
+        rope = get("no_rope_layers")
+        if rope:  # 1: a RoPE layer, which attends within its chunk; 0: a global NoPE layer
+            sliding = sum(1 for r in rope[:layers] if r)
+        else:  # Llama4TextConfig: every 4th layer is NoPE (global)
+            sliding = _count(layers, lambda i: (i + 1) % 4 != 0)
+            notes.append("no_rope_layers absent: Llama4TextConfig's every-4th-layer NoPE")
+    elif get("sliding_window"):
+        if mtype in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+            if get("use_sliding_window"):
+                first_swa = int(get("max_window_layers") or 0)
+                window, sliding = int(get("sliding_window")), max(layers - first_swa, 0)
+        elif mtype in ("mistral", "mixtral", ""):
+            window, sliding = int(get("sliding_window")), layers
+        elif mtype not in ("llama",):
+            raise ModelError(f"{where}: sliding_window set for model_type {mtype!r} without "
+                             "layer_types: cannot tell which layers slide")  # fmt: skip
+    if get("attn_type_list") is not None and any(int(t) != 1 for t in get("attn_type_list")):
+        raise ModelError(f"{where}: attn_type_list has non-softmax (lightning) layers; "
+                         "expected all 1 (full attention) as MiniMax-M2 publishes")  # fmt: skip
+    if window and window >= int(get("max_position_embeddings") or 0) > 0:
+        window, sliding = 0, 0  # a window as long as the context slides nothing
+    lin_kw: dict[str, Any] = {}
+    if linear:
+        lin_kw = dict(
+            linear_layers=linear,
+            linear_num_key_heads=int(need("linear_num_key_heads")),
+            linear_num_value_heads=int(need("linear_num_value_heads")),
+            linear_key_head_dim=int(need("linear_key_head_dim")),
+            linear_value_head_dim=int(need("linear_value_head_dim")),
+            linear_conv_kernel=int(need("linear_conv_kernel_dim")),
+        )
+
+    # ---- precision -----------------------------------------------------------------------
+    dtype = str(get("torch_dtype") or get("dtype") or "bfloat16").removeprefix("torch.")
+    base = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(dtype)
+    if base is None:
+        raise ModelError(f"{where}: torch_dtype = {dtype!r}; expected bfloat16, float16, float32")
+    precision = dict.fromkeys(COMPONENTS, base)
+    qprec, qnotes = _precision_from_quant(cfg, where)
+    precision.update(qprec)
+    notes += qnotes
+
     kw: dict[str, Any] = {}
     if mla:
         kw = dict(
-            q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-            kv_lora_rank=int(cfg["kv_lora_rank"]),
+            q_lora_rank=int(get("q_lora_rank") or 0),
+            kv_lora_rank=int(need("kv_lora_rank")),
             qk_nope_head_dim=int(need("qk_nope_head_dim")),
             qk_rope_head_dim=int(need("qk_rope_head_dim")),
             v_head_dim=int(need("v_head_dim")),
         )
     else:
-        kw = dict(head_dim=int(cfg.get("head_dim") or hidden // heads))
-    layer_types = cfg.get("layer_types") or []
-    if cfg.get("sliding_window") and "sliding_attention" in layer_types:
-        kw.update(sliding_window=int(cfg["sliding_window"]),
-                  sliding_layers=layer_types.count("sliding_attention"))  # fmt: skip
-    # gpt-oss names the expert width intermediate_size (it has no dense MLP)
-    moe_inter = cfg.get("moe_intermediate_size") or (
-        cfg.get("intermediate_size") if cfg.get("num_local_experts") else 0
-    )
+        kw = dict(head_dim=int(get("head_dim") or hidden // heads))
+    if mtype == "qwen3_next" and get("attn_output_gate", True):  # Qwen3NextConfig default
+        kw["attn_output_gate"] = True
+    mtp = int(get("num_nextn_predict_layers") or 0)
+    if mtype == "minimax_m2" and get("use_mtp"):
+        mtp = int(get("num_mtp_modules") or 0) * int(get("mtp_transformer_layers") or 1)
+    source = f"config.json ({where})" + (": " + "; ".join(notes) if notes else "")
     return ModelShape(
         name=name,
         num_layers=layers,
         first_k_dense=first_dense,
         hidden_size=hidden,
-        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        intermediate_size=dense_inter,
         vocab_size=int(need("vocab_size")),
         attention="mla" if mla else "gqa",
         num_heads=heads,
         num_kv_heads=kv,
-        moe_intermediate_size=int(moe_inter or 0) if experts else 0,
+        moe_intermediate_size=moe_inter if experts else 0,
         n_routed_experts=experts,
-        top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
-        n_shared_experts=int(cfg.get("n_shared_experts") or 0) if experts else 0,
+        top_k=top_k,
+        n_shared_experts=shared if experts else 0,
         precision=precision,
-        source=f"config.json ({where})",
-        max_positions=int(cfg.get("max_position_embeddings") or 0),
-        mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+        source=source,
+        max_positions=int(get("max_position_embeddings") or 0),
+        sliding_window=window,
+        sliding_layers=sliding,
+        mtp_layers=mtp,
+        moe_layers=n_moe if experts else -1,
+        **lin_kw,
         **kw,
     )
+
+
+def read_config(path: Path, where: str | None = None) -> dict[str, Any]:
+    """A config.json, with modelopt's ``hf_quant_config.json`` beside it folded in as its
+    ``quantization_config`` (NVIDIA's NVFP4 / FP8 checkpoints ship their scheme there)."""
+    where = where or str(path)
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{where}: not JSON ({exc.msg})") from None
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{where}: expected a JSON object")
+    for side in (path.parent / "hf_quant_config.json",
+                 path.with_name(path.name.removesuffix(".json") + ".hf_quant_config.json")):  # fmt: skip
+        if side.is_file() and side != path and not cfg.get("quantization_config"):
+            hq = json.loads(side.read_text())
+            q = hq.get("quantization") if isinstance(hq, dict) else None
+            if not isinstance(q, dict):
+                raise ModelError(f"{side}: expected a 'quantization' table (modelopt)")
+            cfg = {**cfg, "quantization_config": {"quant_method": "modelopt", **q}}
+    return cfg
+
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+# presets read from the published config.json shipped beside this module (one source of truth)
+_CONFIG_PRESETS = {
+    "llama-4-scout": ("meta-llama--Llama-4-Scout-17B-16E-Instruct.json", ""),
+    "llama-4-maverick": ("meta-llama--Llama-4-Maverick-17B-128E-Instruct.json", ""),
+    "qwen3-next-80b-a3b": ("Qwen--Qwen3-Next-80B-A3B-Thinking.json",
+                           "; the Instruct model publishes the same shapes (assumed)"),
+    "deepseek-r1": ("deepseek-ai--DeepSeek-R1.json", ""),
+    "mixtral-8x7b": ("mistralai--Mixtral-8x7B-v0.1.json", ""),
+    "minimax-m2": ("MiniMaxAI--MiniMax-M2.5.json",
+                   "; MiniMax-M2.5, read as MiniMax-M2 (the same minimax_m2 shapes, 230B / 10B "
+                   "active, assumed)"),
+}  # fmt: skip
+
+
+def _config_preset(key: str, file: str, note: str) -> ModelShape:
+    path = CONFIGS / file
+    shape = shape_from_config(
+        read_config(path), name=key, where=f"src/ddtree/perf/data/configs/{file}"
+    )
+    return replace(shape, source=shape.source + note)
+
+
+PRESETS.update({k: _config_preset(k, f, n) for k, (f, n) in _CONFIG_PRESETS.items()})
 
 
 def load_model(spec: dict[str, Any], where: str, base_dir: Path | None = None) -> ModelShape:
@@ -439,10 +906,7 @@ def load_model(spec: dict[str, Any], where: str, base_dir: Path | None = None) -
             path = path / "config.json"
         if not path.is_file():
             raise ModelError(f"{where}: model.config: no such file {path}")
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelError(f"{where}: model.config {path}: not JSON ({exc.msg})") from None
+        cfg = read_config(path, f"{where}: model.config {path}")
         shape = shape_from_config(cfg, name=path.parent.name, where=str(path))
     prec = spec.get("precision") or {}
     if prec:
