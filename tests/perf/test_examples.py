@@ -31,7 +31,7 @@ def test_every_example_loads():
 def test_deepseek_example_mtp_layouts_links_and_hosts(deepseek):
     by = {r.case.name: r for r in deepseek.results}
     res = {r.anchor: r.rel_error for r in deepseek.calibration.residuals}
-    assert abs(res["trtllm-b200-ar"]) < 0.05 and abs(res["trtllm-b200-mtp3"]) < 0.08
+    assert abs(res["trtllm-b200-ar"]) < 0.08 and abs(res["trtllm-b200-mtp3"]) < 0.08
     mtp3 = by["B200 MTP 3 (the anchor's setup)"]
     assert mtp3.case.point.experts_ep == 4 and mtp3.case.point.experts_tp == 2
     assert mtp3.speedup_vs_ar[50] > 1.8  # 2.82 tokens a step for the price of ~1.25 steps
@@ -57,8 +57,11 @@ def test_llama_example_eagle_hardware_table_and_e2e(llama):
     tree = by["H100 EAGLE-3, the anchor's tree"]
     assert (tree.case.point.block_size, tree.case.point.budget) == (6, 31)
     assert tree.speedup_vs_ar[50] > 1.5
-    # the anchors disagree with the model by ~27% on this setup: its range says so
-    assert tree.model_form_sigma > 0.1
+    # the anchors ran on this setup and the per-draft-step costs reproduce them: its range
+    # carries what the calibration still misses them by, less than an unanchored setup's
+    from ddtree.perf.uncertainty import model_form_sigma
+
+    assert tree.model_form_sigma < model_form_sigma("speculative")
     a100 = by["A100 40GB, EAGLE-3"].case.point.hardware
     assert a100.memory_bytes == 40e9 and a100.provenance["hbm_bandwidth"].kind == "user"
     assert by["RTX 5090 on a desktop host, EAGLE-3"].case.point.host_cpu == "desktop"

@@ -105,7 +105,9 @@ def test_an_mtp_step_runs_the_targets_own_layer_k_times():
     draft = cost.stage_s(Stage.DRAFT)
     one = sum(c.seconds for c in target_forward(layer, pt, P, Forward(Stage.DRAFT, 1, 2000)))
     proj = cost.find("3 draft steps: MTP eh_proj").seconds / 3
-    assert draft == pytest.approx(3 * (one + proj))
+    glue = cost.find("3 draft steps: draft step overhead").seconds / 3
+    assert glue == pytest.approx(P["draft_step_overhead"] / P["host_speed.xeon-8570"])
+    assert draft == pytest.approx(3 * (one + proj + glue))
     moe = cost.find("3 draft steps: routed MoE")
     # one token routes to 8 of 256 experts: 8 whole bf16 experts split over 8 GPUs, 3 times
     assert float(experts_touched(256, 8, 1)) == pytest.approx(8)

@@ -13,6 +13,9 @@ from ddtree.perf.scenario import ScenarioError
 from ddtree.vocab import POLICIES
 
 FOLDER = Path(__file__).resolve().parents[2] / "examples" / "validation"
+# synthetic sources on the train side of the split (validate.split_of): "a", "g", "h", "i";
+# "b" and "c" fall on the test side
+A, B, C, D = "a", "g", "h", "i"
 
 
 def test_the_validation_set_covers_what_the_issue_asks():
@@ -42,32 +45,83 @@ def test_the_validation_set_covers_what_the_issue_asks():
 
 
 @pytest.mark.slow
-def test_leave_one_source_out_reports_mape_and_coverage_per_source(capsys):
+def test_bundled_corpus_is_scored_train_and_test(capsys):
     from ddtree.cli import main
 
-    assert main(["estimate", "--validate", str(FOLDER), "--json", "--samples", "500"]) == 0
+    assert main(["estimate", "--validate", "--json", "--samples", "500"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["mode"] == "leave-one-source-out"
+    assert doc["folder"] == str(validate.BUNDLED)
     assert doc["noise_by_source_kind"] == {k: v.noise for k, v in validate.SOURCE_KINDS.items()}
     rows = doc["points"]
-    inside = [r["inside_p10_p90"] for r in rows]
-    assert doc["coverage_p10_p90"] == pytest.approx(sum(inside) / len(rows))
-    assert doc["mape"] == pytest.approx(sum(abs(r["rel_error"]) for r in rows) / len(rows))
+    for split in ("train", "test"):
+        part = [r for r in rows if r["split"] == split]
+        inside = [r["inside_p10_p90"] for r in part]
+        assert doc[split]["coverage_p10_p90"] == pytest.approx(sum(inside) / len(part))
+        assert doc[split]["mape"] == pytest.approx(
+            sum(abs(r["rel_error"]) for r in part) / len(part)
+        )
+    frozen = set(validate.frozen_test_sources(validate.BUNDLED))
+    train_keys = {r["source"] for r in rows if r["split"] == "train"}
     for row in rows:
         assert row["source"] not in row["calibrated_on"]
+        assert not frozen & set(row["calibrated_on"])  # no fit read a test source
+        assert (row["split"] == "test") == (row["source"] in frozen)
+        if row["split"] == "test":
+            assert set(row["calibrated_on"]) == train_keys
         b, m = row["band_tokens_per_s"], row["measured_tokens_per_s"]
         assert row["inside_p10_p90"] == (b["p10"] <= m <= b["p90"])
         assert row["inside_p25_p75"] == (b["p25"] <= m <= b["p75"])
         assert row["noise"] == validate.SOURCE_KINDS[doc["by_source"][row["source"]]["kind"]].noise
     assert sum(s["points"] for s in doc["by_source"].values()) == len(rows)
-    # issue 18's goals with the uniform declared noise: coverage >= 70% is met; MAPE <= 20% is
-    # not (24.5% here, README): the bound below guards against regressions, it is not the goal
-    assert doc["coverage_p10_p90"] >= 0.70 and doc["mape"] <= 0.26
-    assert 0.1 < doc["model_form_sigma"] < 0.4
-    assert doc["unexplained"] == []
+    # issue 27: at least 45 test points; the scores themselves are reported, not asserted
+    assert doc["test"]["points"] >= 45
+    assert set(doc["model_form_sigma"]) == {"ar", "speculative"}
     for row in rows:
         if abs(row["rel_error"]) > doc["explain_above"]:
-            assert row["explanation"], row["point"]
+            assert row["explanation"] or row["point"] in doc["unexplained"], row["point"]
+
+
+def test_the_test_split_is_the_rule_frozen_in_its_file():
+    keys = {p.source.key for p in validate.load_points(validate.BUNDLED)}
+    frozen = validate.frozen_test_sources(validate.BUNDLED)
+    assert sorted(frozen) == sorted(k for k in keys if validate.split_of(k) == "test")
+    # about 30% of sources by the rule (a hash, so not exactly)
+    assert 0.15 < len(frozen) / len(keys) < 0.5
+    assert validate.split_of("seed") == "test" and validate.split_of("a") == "train"
+
+
+def test_no_prior_cites_a_test_source():
+    """The cost model's priors and data (code, catalog, profiles) name no test source's URL:
+    nothing was tuned while reading one."""
+    urls = {p.source.url for p in validate.load_points(validate.BUNDLED)
+            if validate.split_of(p.source.key) == "test" and p.source.url.startswith("http")}  # fmt: skip
+    root = Path(validate.__file__).parent
+    files = [f for f in root.rglob("*") if f.is_file() and "validation" not in f.parts
+             and f.suffix in (".py", ".toml", ".json")]  # fmt: skip
+    assert files
+    for f in files:
+        text = f.read_text(encoding="utf-8")
+        for url in urls:
+            assert url not in text, (f, url)
+
+
+def test_no_fit_reads_a_test_point(tmp_path, monkeypatch):
+    truth = params_at(default_params(), {"weights_efficiency": 0.62, "graphs.step_overhead": 1e-3})
+    for key, hw in ((A, "h100-sxm"), (B, "h200"), ("b", "b200"), ("c", "a800")):
+        _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth)])
+    seen = []
+    real = validate.calibrate
+
+    def spy(anchors, *args, **kw):
+        seen.append({a.name for a in anchors})
+        return real(anchors, *args, **kw)
+
+    monkeypatch.setattr(validate, "calibrate", spy)
+    v = validate.run(tmp_path, samples=200)
+    assert seen and all(not ({"b-ar", "c-ar"} & names) for names in seen)
+    assert {r.point.name: r.split for r in v.rows} == {
+        "a-ar": "train", "g-ar": "train", "b-ar": "test", "c-ar": "test"}  # fmt: skip
+    assert {tuple(r.calibrated_on) for r in v.part("test")} == {(A, B)}
 
 
 def _toml(v) -> str:
@@ -110,11 +164,11 @@ def load_hw(key):
 
 def test_held_out_sources_are_predicted_from_the_others(tmp_path, capsys):
     truth = params_at(default_params(), {"weights_efficiency": 0.62, "graphs.step_overhead": 1e-3})
-    for key, hw in (("a", "h100-sxm"), ("b", "h200"), ("c", "b200")):
+    for key, hw in ((A, "h100-sxm"), (B, "h200"), (C, "b200")):
         _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth),
                                       _synthetic_point(f"{key}-chain", hw, 15, truth)])  # fmt: skip
     v = validate.run(tmp_path, samples=300)
-    assert [r.point.source.key for r in v.rows] == ["a", "a", "b", "b", "c", "c"]
+    assert [r.point.source.key for r in v.rows] == [A, A, B, B, C, C]
     assert all(r.point.source.key not in r.calibrated_on for r in v.rows)
     assert v.mape < 0.05, [round(r.rel_error, 3) for r in v.rows]
     # measured = the truth: every band (posterior x the vendor kind's 8% noise) holds it
@@ -124,26 +178,24 @@ def test_held_out_sources_are_predicted_from_the_others(tmp_path, capsys):
         # the band is at least as wide as the declared noise alone: p90/p10 >= exp(2 x 1.28 x 8%)
         assert b[90] / b[10] > 1.2
     # a source off by 2x is flagged and lies outside its band; a note explains it
-    _write_source(tmp_path, "d", [{**_synthetic_point("d-ar", "a800", 0, truth),
-                                   "step": "0.5 ms"}], kind="forum")  # fmt: skip
+    _write_source(tmp_path, D, [{**_synthetic_point("i-ar", "a800", 0, truth),
+                                 "step": "0.5 ms"}], kind="forum")  # fmt: skip
     from ddtree.cli import main
 
     assert main(["estimate", "--validate", str(tmp_path), "--json", "--samples", "200"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["unexplained"] == ["d-ar"]
-    assert doc["by_source"]["d"] == {
-        "kind": "forum",
-        "points": 1,
-        "mape": pytest.approx(abs(doc["points"][-1]["rel_error"])),
-        "coverage_p10_p90": 0.0,
-        "coverage_p25_p75": 0.0,
-    }
+    assert doc["unexplained"] == ["i-ar"]
+    by_d = doc["by_source"][D]
+    assert (by_d["kind"], by_d["split"], by_d["points"]) == ("forum", "train", 1)
+    assert by_d["mape"] == pytest.approx(abs(doc["points"][-1]["rel_error"]))
+    assert by_d["coverage_p10_p90"] == by_d["coverage_p25_p75"] == 0.0
     rows = doc["points"]
-    assert doc["coverage_p10_p90"] == pytest.approx(sum(r["inside_p10_p90"] for r in rows) / 7)
-    assert not rows[-1]["inside_p10_p90"] and doc["coverage_p10_p90"] < 1
+    train = doc["train"]
+    assert train["coverage_p10_p90"] == pytest.approx(sum(r["inside_p10_p90"] for r in rows) / 7)
+    assert not rows[-1]["inside_p10_p90"] and train["coverage_p10_p90"] < 1
     assert main(["estimate", "--validate", str(tmp_path), "--samples", "200"]) == 0
     out = capsys.readouterr().out
-    assert "d-ar (" in out and "UNEXPLAINED" in out
+    assert "i-ar (" in out and "UNEXPLAINED" in out
 
 
 @pytest.mark.parametrize(
@@ -268,17 +320,17 @@ def test_model_form_fit_known_answers():
 
 def test_a_sources_band_never_uses_its_own_residuals(tmp_path):
     truth = params_at(default_params(), {"weights_efficiency": 0.62, "graphs.step_overhead": 1e-3})
-    for key, hw in (("a", "h100-sxm"), ("b", "h200"), ("c", "b200")):
+    for key, hw in ((A, "h100-sxm"), (B, "h200"), (C, "b200")):
         _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth)])
-    _write_source(tmp_path, "d", [{**_synthetic_point("d-ar", "a800", 0, truth),
-                                   "step": "0.5 ms"}], kind="forum")  # fmt: skip
+    _write_source(tmp_path, D, [{**_synthetic_point("i-ar", "a800", 0, truth),
+                                 "step": "0.5 ms"}], kind="forum")  # fmt: skip
     v = validate.run(tmp_path, samples=300)
     by = {r.point.name: r for r in v.rows}
     # the outlier's own band is fitted on the three other sources (each predicted with the
     # outlier among its calibration, so not exactly: a modest error); the others' bands carry
-    # the outlier's 20x miss (d is among their "other sources")
-    assert by["d-ar"].model_form_sigma < 0.5 < 0.9 < by["a-ar"].model_form_sigma
-    assert v.model_form_sigma > 0.3 and not by["d-ar"].inside(10, 90)
+    # the outlier's 20x miss (it is among their "other sources")
+    assert by["i-ar"].model_form_sigma < 0.5 < 0.9 < by["a-ar"].model_form_sigma
+    assert v.model_form_sigma["ar"] > 0.3 and not by["i-ar"].inside(10, 90)
 
 
 @pytest.mark.slow
@@ -286,9 +338,12 @@ def test_model_form_file_is_what_validation_fits():
     import tomllib
     from importlib import resources
 
-    v = validate.run(FOLDER, samples=2000)
+    v = validate.run(None, samples=500)
     data = tomllib.loads(
         resources.files("ddtree.perf").joinpath("data/model_form.toml").read_text()
     )
-    assert data["sigma"] == pytest.approx(v.model_form_sigma, abs=0.0051)  # two grid steps
-    assert (data["points"], data["sources"]) == (len(v.rows), len(v.sources))
+    for kind, sigma in v.model_form_sigma.items():
+        assert data["sigma"][kind] == pytest.approx(sigma, abs=0.0101), kind  # four grid steps
+    train = v.part("train")
+    assert (data["points"], data["sources"]) == (
+        len(train), len({r.point.source.key for r in train}))  # fmt: skip

@@ -44,8 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--validate",
         metavar="FOLDER",
-        help="predict each published point of FOLDER (e.g. examples/validation) calibrated on "
-        "the other sources' points; print the error per point and the MAPE",
+        nargs="?",
+        const="",
+        help="score the estimator on published measurements: FOLDER (default: the bundled "
+        "corpus, examples/validation) split by source into train (each source predicted from "
+        "the other train sources) and test (predicted from all train sources, never fitted); "
+        "prints every point, the scores of each split, the test scores last",
     )
     add_oversubscribe_argument(p)
     p.add_argument(
@@ -78,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.records import RecordError
 
     try:
-        if args.validate:
+        if args.validate is not None:
             from ddtree.perf import validate
 
-            v = validate.run(args.validate, min(args.samples, 2000), args.seed)
+            v = validate.run(args.validate or None, min(args.samples, 2000), args.seed)
             if args.json:
                 print(report.validation_json(v))
             else:

@@ -165,8 +165,11 @@ def calibrate(
     specs: dict[str, ParamSpec],
     fixed: dict[str, float] | None = None,
     iterations: int = 60,
+    start: np.ndarray | None = None,
 ) -> Calibration:
-    """Fit every parameter not in ``fixed`` (MAP with log-normal priors, Levenberg-Marquardt)."""
+    """Fit every parameter not in ``fixed`` (MAP with log-normal priors, Levenberg-Marquardt),
+    starting from the priors' centres or from ``start`` (theta of the same free parameters,
+    e.g. a fit on a superset of the anchors: a leave-one-out refit is then a few steps)."""
     fixed = dict(fixed or {})
     anchors = list(anchors)
     names = [n for n in specs if n not in fixed]
@@ -197,7 +200,7 @@ def calibrate(
         return Calibration(names, values, theta, cov, sd0, res, [a.name for a in anchors],
                            mu0, anchors, scale, k_eff, fixed)  # fmt: skip
 
-    theta = np.clip(mu0.copy(), lo, hi)
+    theta = np.clip(mu0.copy() if start is None else np.asarray(start, float), lo, hi)
     if not names:
         return result(theta, np.zeros((0, 0)))
     lam = 1e-3

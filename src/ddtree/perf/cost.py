@@ -47,7 +47,7 @@ from importlib import resources
 
 import numpy as np
 
-from ddtree.perf.catalog import Hardware, Link, load_hosts
+from ddtree.perf.catalog import GENERATIONS, Hardware, Link, load_hosts
 from ddtree.perf.model import COMPUTE_PRECISION, PRECISION_BYTES, ModelShape
 from ddtree.vocab import AR, DEFAULT_POLICY, Drafting, Policy, Stage, get_policy
 
@@ -86,6 +86,34 @@ tuning-model estimate (25 us), and the one measurement beside it in the same log
 ``inter_node`` for a group that spans nodes (the inter-node ``Link``'s latency)."""
 
 
+KERNEL_PATHS: dict[str, tuple[float, float, float, str]] = {
+    "native-8bit": (1.0, 0.5, 1.3, "fp8 / int8 weights on GPUs whose tensor units compute them"),
+    "native-4bit": (0.9, 0.3, 1.3, "fp4 / mxfp4 weights on GPUs whose tensor units compute them"),
+    "dequant-8bit": (0.8, 0.3, 1.3, "fp8 / int8 weights dequantised to 16 bits before the MMA "
+                     "(fp8 on Ampere: Marlin-style kernels)"),
+    "dequant-4bit": (0.9, 0.2, 1.3, "int4 (AWQ, GPTQ, q4) or fp4 / mxfp4 weights dequantised "
+                     "to 16 bits before the MMA (mxfp4 on Hopper or Ampere, int4 everywhere)"),
+}  # fmt: skip
+"""Kernel paths besides 16-bit weights (multiplier 1): which applies to a weight format on a GPU
+is ``kernel_path``; the multiplier's prior is assumed (a low-bit GEMV reaches less of the
+bandwidth than a 16-bit one, more so when it dequantises), and fitted."""
+
+
+def kernel_path(hw: Hardware, fmt: str) -> str:
+    """'16bit' or one of ``KERNEL_PATHS``: the weight format's bits, and whether the GPU's
+    tensor units compute it natively (``Hardware.native``; int4 never). Example: fp8 on an
+    A100 -> dequant-8bit, on an H100 -> native-8bit; mxfp4 on an H100 -> dequant-4bit."""
+    bits = PRECISION_BYTES.get(fmt, 2.0)
+    if bits >= 2.0:
+        return "16bit"
+    width = "8bit" if bits >= 1.0 else "4bit"
+    try:
+        native = hw.native(fmt)
+    except ValueError:  # a format the catalog does not list (int4 variants): weight-only
+        native = False
+    return f"{'native' if native else 'dequant'}-{width}"
+
+
 STACKS = ("any", "sglang", "vllm", "trtllm", "transformers", "llamacpp", "ddtree", "other")
 """The serving stacks a point or scenario may name (``stack = "sglang"``); "any" when it does
 not say (a projection for no stack in particular), "other" for one without a profile of its own
@@ -111,6 +139,70 @@ BASE_PARAMS: dict[str, ParamSpec] = {
         ParamSpec(
             "compute_efficiency", 0.5, 0.2, 0.8, "", False,
             "fraction of dense peak FLOP/s reached by compute-bound kernels",
+        ),
+        ParamSpec(
+            "spec_step_overhead", 0.4e-3, 0.1e-3, 1.6e-3, "s", True,
+            "host and glue time a speculative step adds over an AR step, once per step: "
+            "sampling the verified logits, the tree mask and positions, the accept walk's host "
+            "syncs, the extra scheduler bookkeeping (prior: serving engines spend ~0.5-1.5 ms "
+            "per speculative step beyond its kernels, issue 27)",
+        ),
+        ParamSpec(
+            "draft_step_overhead", 0.5e-3, 0.12e-3, 2e-3, "s", True,
+            "host and kernel-glue time per draft step of a stepped drafter (EAGLE step, MTP "
+            "layer): its own sampling / top-k, input preparation, a graph replay of its own "
+            "(prior: the 0.6-1.5 ms per draft step the published EAGLE-3 and MTP steps hold "
+            "beyond their bytes, issue 27)",
+        ),
+        ParamSpec(
+            "draft_forward_overhead", 0.3e-3, 0.07e-3, 1.2e-3, "s", True,
+            "host and kernel-glue time per drafter forward of a one-pass drafter (DFlash block, "
+            "Medusa heads): its input preparation and graph replay (assumed, like a draft step "
+            "but once per step)",
+        ),
+        *(
+            ParamSpec(
+                f"stack_host.{s}", 1.0, 1 / 3, 3.0, "", True,
+                f"{s}: multiplier on the engine mode's per-step host overhead (hierarchical: "
+                "the mode's value is shared, each serving stack scales it)",
+            )
+            for s in STACKS
+            if s != "any"
+        ),
+        *(
+            ParamSpec(
+                f"stack_spec.{s}", 1.0, 1 / 3, 3.0, "", True,
+                f"{s}: multiplier on the speculative costs (spec_step_overhead, "
+                "draft_step_overhead, draft_forward_overhead): how lean its speculative path is",
+            )
+            for s in STACKS
+            if s != "any"
+        ),
+        *(
+            ParamSpec(
+                f"gen_efficiency.{g}", 1.0, 0.6, 1.5, "", True,
+                f"{g} GPUs: multiplier on the memory efficiencies (their kernels' share of "
+                "peak bandwidth differs by generation and vendor)",
+            )
+            for g in GENERATIONS
+        ),
+        *(
+            ParamSpec(
+                f"path_efficiency.{path}", default, low, high, "", True,
+                f"weights in the {path} kernel path: multiplier on the memory efficiencies "
+                f"({about})",
+            )
+            for path, (default, low, high, about) in KERNEL_PATHS.items()
+        ),
+        *(
+            ParamSpec(
+                f"layer_floor.{g}", 4e-6, 1e-6, 40e-6, "s", True,
+                f"{g} GPUs: the least device time one layer of a target forward takes at small "
+                "batch (kernel tails, synchronisation between a layer's kernels) whatever its "
+                "bytes; a forward is max(its device time, layers x floor) (prior: a few us per "
+                "layer; ~160 us per FP4 MoE layer seen on a B200 at batch 1, issue 27)",
+            )
+            for g in GENERATIONS
         ),
         ParamSpec(
             "ngram_lookup", 100e-6, 20e-6, 1e-3, "s", True,
@@ -644,16 +736,38 @@ def _device(
     launches: float,
     formula: str,
     efficiency: str = "weights_efficiency",
+    fmt: str = "bf16",
 ) -> Component:
-    """A device component: its work at the fitted efficiencies plus its kernel launches."""
+    """A device component: its work at the fitted efficiencies plus its kernel launches. The
+    memory efficiency is the component's (``efficiency``) x its GPU generation's x its weight
+    format's kernel path's (``memory_efficiency``)."""
     hw = pt.hardware
     secs, bound = _work_s(
-        hw, nbytes, flops, precision, param_for(params, efficiency, hw),
+        hw, nbytes, flops, precision, memory_efficiency(params, efficiency, hw, fmt),
         param_for(params, "compute_efficiency", hw),
     )  # fmt: skip
     secs = secs + launches * engine_value(params, pt.engine, "launch", hw, pt.host_cpu)
     return Component(name, stage, secs, float(np.mean(nbytes)), float(np.mean(flops)),
                      launches, bound, _DEVICE_RULE, formula)  # fmt: skip
+
+
+MAX_MEMORY_EFFICIENCY = 0.97  # no kernel streams its weights at more than this of the peak
+
+
+def memory_efficiency(params: dict, efficiency: str, hw: Hardware, fmt: str = "bf16"):
+    """``efficiency`` (weights or MoE) x ``gen_efficiency.<generation>`` x
+    ``path_efficiency.<kernel_path>``, at most ``MAX_MEMORY_EFFICIENCY``. A GPU without a
+    generation (a typed-in table, this machine's CPU) and 16-bit weights take multiplier 1."""
+    eff = param_for(params, efficiency, hw)
+    if "@" in efficiency or f"{efficiency}@{hw.key}" in params:
+        return eff  # a device class fitted on its own (this machine's CPU records)
+    gen = getattr(hw, "generation", "")
+    if gen:
+        eff = eff * params.get(f"gen_efficiency.{gen}", 1.0)
+    path = kernel_path(hw, fmt)
+    if path != "16bit":
+        eff = eff * params.get(f"path_efficiency.{path}", 1.0)
+    return np.minimum(eff, MAX_MEMORY_EFFICIENCY)
 
 
 def _host(name: str, stage: Stage, pt: Point, seconds, formula: str) -> Component:
@@ -709,7 +823,7 @@ def attention(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Compo
         "window; linear-attention layers none) x KV bytes/token + C x L_linear x state bytes "
         "x 2 (read + write) "
         "(FLOPs 2 x M x C x L x attn params + M x C x (keys read + L_attn x M) x "
-        "FLOPs/query-key)",
+        "FLOPs/query-key)", fmt=model.precision["attention"],
     )  # fmt: skip
 
 
@@ -756,7 +870,7 @@ def routed_moe(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Comp
     return _device(
         "routed MoE", fwd.stage, pt, params, Lm * nbytes, Lm * flops, prec, Lm * launches,
         formula + (" [measured experts curve]" if pt.experts_curve else ""),
-        efficiency="moe_efficiency",
+        efficiency="moe_efficiency", fmt=model.precision["routed_experts"],
     )  # fmt: skip
 
 
@@ -770,7 +884,7 @@ def shared_experts(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> 
         Lm * sp * model.bytes_per_param("shared_experts") / pt.weight_shards,
         2.0 * fwd.width * pt.requests_per_gpu * Lm * sp / pt.weight_shards,
         COMPUTE_PRECISION[model.precision["shared_experts"]], Lm * KERNELS["shared_experts"],
-        "L_moe x shared x expert params x bytes/param / TP",
+        "L_moe x shared x expert params x bytes/param / TP", fmt=model.precision["shared_experts"],
     )  # fmt: skip
 
 
@@ -783,7 +897,7 @@ def dense_mlp(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Compo
         Ld * model.dense_mlp_params * model.bytes_per_param("dense_mlp") / pt.weight_shards,
         2.0 * fwd.width * pt.requests_per_gpu * Ld * model.dense_mlp_params / pt.weight_shards,
         COMPUTE_PRECISION[model.precision["dense_mlp"]], Ld * KERNELS["dense_mlp"],
-        "L_dense x 3 x hidden x intermediate x bytes/param / TP",
+        "L_dense x 3 x hidden x intermediate x bytes/param / TP", fmt=model.precision["dense_mlp"],
     )  # fmt: skip
 
 
@@ -794,6 +908,7 @@ def lm_head(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Compone
         2.0 * fwd.width * pt.requests_per_gpu * model.lm_head_params / pt.weight_shards,
         COMPUTE_PRECISION[model.precision["lm_head"]], KERNELS["lm_head"],
         "vocab x hidden x bytes/param / TP (FLOPs 2 x M x C x vocab x hidden / TP)",
+        fmt=model.precision["lm_head"],
     )  # fmt: skip
 
 
@@ -933,8 +1048,30 @@ TARGET_FORWARD: tuple[Callable[..., Component | None], ...] = (
 
 
 def target_forward(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> list[Component]:
-    """The target forward's components, tagged ``fwd.stage``."""
-    return [c for fn in TARGET_FORWARD if (c := fn(model, pt, params, fwd)) is not None]
+    """The target forward's components, tagged ``fwd.stage``, and its per-layer floor."""
+    comps = [c for fn in TARGET_FORWARD if (c := fn(model, pt, params, fwd)) is not None]
+    floor = layer_floor(model, pt, params, fwd, comps)
+    return comps if floor is None else [*comps, floor]
+
+
+def layer_floor(
+    model: ModelShape, pt: Point, params: dict, fwd: Forward, comps
+) -> Component | None:
+    """What a forward's layers take beyond their bytes and launches when those fall under the
+    GPU generation's per-layer floor: max(0, L x floor - device time of the forward). Small-
+    batch kernels have tails and synchronisation between a layer's kernels that bytes do not
+    reach (a prefill is far above it)."""
+    gen = getattr(pt.hardware, "generation", "")
+    name = f"layer_floor.{gen}"
+    if not gen or name not in params:
+        return None
+    device = sum(c.seconds for c in comps if c.bound in (Bound.MEMORY, Bound.COMPUTE))
+    secs = np.maximum(0.0, model.num_layers * params[name] - device)
+    return Component(
+        "per-layer kernel floor", fwd.stage, secs, 0.0, 0.0, 0.0, Bound.HOST,
+        f"a {gen} kernel's small-batch floor: constant across bandwidth",
+        f"max(0, L x {name} - the forward's device time)",
+    )  # fmt: skip
 
 
 # ---- the rest of a step -------------------------------------------------------------------
@@ -1047,11 +1184,37 @@ def kv_commit(model: ModelShape, pt: Point, params: dict, tau) -> Component:
     )  # fmt: skip
 
 
+def stack_scale(params: dict, pt: Point, what: str):
+    """``stack_<what>.<stack>`` for the point's serving stack (1 for "any": a projection for no
+    stack in particular takes the modes' shared values)."""
+    return params.get(f"stack_{what}.{pt.stack}", 1.0)
+
+
 def framework_overhead(pt: Point, params: dict) -> Component:
     return _host(
         "framework overhead", Stage.OTHER, pt,
-        engine_value(params, pt.engine, "step_overhead", pt.hardware, pt.host_cpu),
-        f"{pt.engine} engine step overhead",
+        engine_value(params, pt.engine, "step_overhead", pt.hardware, pt.host_cpu)
+        * stack_scale(params, pt, "host"),
+        f"{pt.engine} engine step overhead x stack_host.{pt.stack}",
+    )  # fmt: skip
+
+
+def spec_overhead(
+    pt: Point, params: dict, what: str, stage: Stage, times: int = 1
+) -> Component | None:
+    """One of a GPU serving engine's speculative host costs (``spec_step_overhead`` once per
+    step, ``draft_step_overhead`` per draft step, ``draft_forward_overhead`` per one-pass
+    drafter forward) x the stack's ``stack_spec`` / host speed. None on a device without a GPU
+    generation (this machine's CPU: our engine's stage timings price its host work through the
+    profile's own top-k, tree, layout, accept and commit figures)."""
+    if not getattr(pt.hardware, "generation", ""):
+        return None
+    secs = params[what] * stack_scale(params, pt, "spec") / host_speed(params, pt.host_cpu)
+    label = what.replace("_", " ")
+    return _host(
+        label if times == 1 else f"{times} x {label}", stage, pt, secs * times,
+        f"{times} x {what} x stack_spec.{pt.stack}" if times != 1
+        else f"{what} x stack_spec.{pt.stack}",
     )  # fmt: skip
 
 
@@ -1073,6 +1236,7 @@ def block_draft(model: ModelShape, pt: Point, params: dict) -> list[Component | 
     top-K of its B-1 distributions, the tree and its verify layout."""
     return [
         drafter_forward(model, pt, params),
+        spec_overhead(pt, params, "draft_forward_overhead", Stage.DRAFT),
         topk(model, pt, params),
         topk_sort(model, pt, params),
         tree_build(pt, params),
@@ -1153,7 +1317,9 @@ def stepped_draft(model: ModelShape, pt: Point, params: dict) -> list[Component 
         pt.requests_per_gpu * pt.draft_topk * vocab * 4.0 * 3, KERNELS["topk"],
         "C x topk x draft vocab x 4 B x 3 (log-softmax read + write, top-k read) / HBM bw",
     )  # fmt: skip
-    steps = _repeated([*draft_step_pass(model, pt, params), per_step_topk], k, f"{k} draft steps")
+    glue = spec_overhead(pt, params, "draft_step_overhead", Stage.DRAFT)
+    one = [*draft_step_pass(model, pt, params), per_step_topk, *([glue] if glue else [])]
+    steps = _repeated(one, k, f"{k} draft steps")
     return [*steps, tree_build(pt, params), verify_layout(pt, params)]
 
 
@@ -1199,6 +1365,7 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
                 accept_walk(pt, params),
                 kv_commit(model, pt, params, tau),
                 commit_glue(pt, params),
+                spec_overhead(pt, params, "spec_step_overhead", Stage.OTHER),
                 _control(pt, params, Stage.COMMIT, "TP control broadcasts (commit)"),
             )
             if c is not None

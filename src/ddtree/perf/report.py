@@ -626,6 +626,7 @@ def _validation_rows(v) -> list[dict[str, Any]]:
         out.append(
             {
                 "point": p.name,
+                "split": r.split,
                 "source": p.source.key,
                 "citation": f"{p.source.title} ({p.source.url}; {p.source.where})",
                 "what": p.what,
@@ -636,6 +637,7 @@ def _validation_rows(v) -> list[dict[str, Any]]:
                 "hardware": a.point.hardware.key,
                 "model": a.model.name,
                 "policy": str(a.point.policy),
+                "stack": a.point.stack,
                 "metric": a.metric.kind,
                 "tp": a.point.tp,
                 "concurrency": a.point.concurrency,
@@ -657,27 +659,40 @@ def _validation_rows(v) -> list[dict[str, Any]]:
 
 
 def _scores(rows) -> dict[str, Any]:
-    from ddtree.perf.validate import BANDS, coverage, mape
+    from ddtree.perf.validate import BANDS, coverage, mape, pairs
 
+    spec = [r for r in rows if r.speculative]
+    paired = pairs(rows)
     return {
         "points": len(rows),
+        "sources": len({r.point.source.key for r in rows}),
         "mape": mape(rows),
         **{f"coverage_p{lo}_p{hi}": coverage(rows, lo, hi) for lo, hi in BANDS},
+        "speculative_points": len(spec),
+        "speculative_mape": mape(spec),
+        "ar_mape": mape([r for r in rows if not r.speculative]),
+        "speedup_pairs": len(paired),
+        "speedup_sign_right": (
+            sum(x.sign_right for x in paired) / len(paired) if paired else float("nan")
+        ),
     }
 
 
 def validation_json(v) -> str:
-    from ddtree.perf.validate import EXPLAIN_ABOVE, SOURCE_KINDS
+    from ddtree.perf.validate import EXPLAIN_ABOVE, SOURCE_KINDS, TEST_FRACTION
 
     doc = {
         "folder": v.folder,
-        "mode": "leave-one-source-out",
-        **_scores(v.rows),
+        "mode": "train: leave-one-source-out over the train sources; test: calibrated on every "
+        f"train point (the test sources, {TEST_FRACTION:.0%} by sha256 of the key, are never "
+        "fitted)",
+        "test": _scores(v.part("test")),
+        "train": _scores(v.part("train")),
         "model_form_sigma": v.model_form_sigma,
         "noise_by_source_kind": {k.name: k.noise for k in SOURCE_KINDS.values()},
         "sources": v.sources,
         "by_source": {
-            key: {"kind": rows[0].point.source.kind.name, **_scores(rows)}
+            key: {"kind": rows[0].point.source.kind.name, "split": rows[0].split, **_scores(rows)}
             for key, rows in v.by_source().items()
         },
         "explain_above": EXPLAIN_ABOVE,
@@ -687,46 +702,68 @@ def validation_json(v) -> str:
     return json.dumps(doc, indent=2)
 
 
+def _score_line(name: str, rows) -> str:
+    sc = _scores(rows)
+    if not rows:
+        return f"{name}: no points"
+    return (
+        f"{name}: {sc['points']} points from {sc['sources']} sources: p50 MAPE {sc['mape']:.1%} "
+        f"(AR {sc['ar_mape']:.1%}, speculative {sc['speculative_mape']:.1%} over "
+        f"{sc['speculative_points']}); inside p10-p90 {sc['coverage_p10_p90']:.0%}, inside "
+        f"p25-p75 {sc['coverage_p25_p75']:.0%}; speedup sign right in "
+        f"{sc['speedup_sign_right']:.0%} of {sc['speedup_pairs']} AR-paired speculative points"
+    )
+
+
 def validation_table(v, console) -> None:
     from rich.table import Table
 
     from ddtree.perf.validate import EXPLAIN_ABOVE
     from ddtree.perf.validate import mape as _mape
 
-    t = Table(
-        title=f"validation: {len(v.rows)} published points, {len(v.sources)} sources, each "
-        "predicted from the other sources' points (leave-one-source-out)",
-        caption="tok/s: measured; predicted: at the calibrated parameters; p10-p90: what a "
-        "measurement would show (posterior x the source kind's noise and the model-form "
-        "error); in: inside p10-p90",
-    )
-    for col in ("point", "mode", "C", "tok/s", "predicted", "p10-p90", "in", "error"):
-        t.add_column(col, justify="left" if col in ("point", "mode") else "right")
-    for r in v.rows:
-        a = r.point.anchor
-        b = r.band_tokens_per_s
-        flag = "" if not r.needs_note else (" *" if r.explained else " !")
-        t.add_row(
-            r.point.name, a.point.engine, str(a.point.concurrency),
-            f"{r.measured_tokens_per_s:.0f}", f"{r.predicted_tokens_per_s:.0f}",
-            f"{b[10]:.0f}-{b[90]:.0f}", "yes" if r.inside(10, 90) else "no",
-            f"{r.rel_error:+.1%}{flag}",
-        )  # fmt: skip
-    console.print(t)
+    for split, how in (
+        ("train", "each predicted from the other train sources (leave-one-source-out)"),
+        ("test", "each predicted from a calibration on every train point; never fitted"),
+    ):
+        rows = v.part(split)
+        if not rows:
+            continue
+        t = Table(
+            title=f"{split}: {len(rows)} published points, "
+            f"{len({r.point.source.key for r in rows})} sources, {how}",
+            caption="tok/s: measured; predicted: at the calibrated parameters; p10-p90: what a "
+            "measurement would show (posterior x the source kind's noise and the model-form "
+            "error of its kind); in: inside p10-p90",
+        )
+        for col in ("point", "mode", "policy", "C", "tok/s", "predicted", "p10-p90", "in",
+                    "error"):  # fmt: skip
+            t.add_column(col, justify="left" if col in ("point", "mode", "policy") else "right")
+        for r in rows:
+            a = r.point.anchor
+            b = r.band_tokens_per_s
+            flag = "" if not r.needs_note else (" *" if r.explained else " !")
+            t.add_row(
+                r.point.name, a.point.engine, str(a.point.policy), str(a.point.concurrency),
+                f"{r.measured_tokens_per_s:.0f}", f"{r.predicted_tokens_per_s:.0f}",
+                f"{b[10]:.0f}-{b[90]:.0f}", "yes" if r.inside(10, 90) else "no",
+                f"{r.rel_error:+.1%}{flag}",
+            )  # fmt: skip
+        console.print(t)
+    sig = ", ".join(f"{k} {x:.1%}" for k, x in v.model_form_sigma.items())
     console.print(
-        f"MAPE {v.mape:.1%} over {len(v.rows)} points (goal <= 20%); measured inside p10-p90: "
-        f"{v.coverage(10, 90):.0%} (goal >= 70%), inside p25-p75: {v.coverage(25, 75):.0%}; "
-        f"model-form error sigma_m {v.model_form_sigma:.1%} (fitted leave-one-source-out; each "
-        "band uses the value fitted without its own source)"
+        _score_line("train (leave-one-source-out)", v.part("train"))
+        + f"; model-form error sigma_m {sig} (fitted on the train held-out residuals of each "
+        "kind; a train source's band uses the value fitted without it)"
     )
     per = Table(title="per source (noise from its kind)")
-    for col in ("source", "kind", "noise", "points", "MAPE", "in p10-p90", "in p25-p75"):
-        per.add_column(col, justify="left" if col in ("source", "kind") else "right")
+    for col in ("source", "split", "kind", "noise", "points", "MAPE", "in p10-p90",
+                "in p25-p75"):  # fmt: skip
+        per.add_column(col, justify="left" if col in ("source", "split", "kind") else "right")
     for key, rows in v.by_source().items():
         kind = rows[0].point.source.kind
         per.add_row(
-            key, kind.name, f"{kind.noise:.0%}", str(len(rows)), f"{_mape(rows):.1%}",
-            f"{sum(r.inside(10, 90) for r in rows)}/{len(rows)}",
+            key, rows[0].split, kind.name, f"{kind.noise:.0%}", str(len(rows)),
+            f"{_mape(rows):.1%}", f"{sum(r.inside(10, 90) for r in rows)}/{len(rows)}",
             f"{sum(r.inside(25, 75) for r in rows)}/{len(rows)}",
         )  # fmt: skip
     console.print(per)
@@ -734,7 +771,11 @@ def validation_table(v, console) -> None:
     if off:
         console.print(f"off by more than {EXPLAIN_ABOVE:.0%} (* explained, ! unexplained):")
         for r in off:
-            console.print(f"  {r.point.name} ({r.rel_error:+.1%}): {r.point.note or 'UNEXPLAINED'}")
+            console.print(
+                f"  [{r.split}] {r.point.name} ({r.rel_error:+.1%}): "
+                f"{r.point.note or 'UNEXPLAINED'}"
+            )
     console.print("sources: " + "; ".join(
         f"{s}: {next(r.point.source.url for r in v.rows if r.point.source.key == s)}"
         for s in v.sources))  # fmt: skip
+    console.print("HEADLINE " + _score_line("test (sources never fitted)", v.part("test")))

@@ -9,8 +9,10 @@ A case also carries the cost model's own error (``case_model_form``): on a setup
 ran on (another hardware, engine mode, model, TP or deployment) the ``model_form_sigma``
 fitted leave-one-source-out on the validation set (``data/model_form.toml``); on an anchor's
 setup only what the calibration still misses its anchors there by. Its tokens/s and step
-samples are scaled by exp(N(0, sigma)). The speedup over AR is not scaled (the same model
-prices both steps, and a setup's level cancels in the ratio).
+samples are scaled by exp(N(0, sigma)), sigma fitted apart for AR and speculative steps. The
+speedup over AR carries its own fitted error (``model_form_sigma("speedup")``: the same model
+prices both steps, so a setup's level cancels in the ratio, but a speculative step's own costs
+do not).
 """
 
 from __future__ import annotations
@@ -32,10 +34,19 @@ PERCENTILES = (10, 50, 90)
 
 
 @cache
-def model_form_sigma() -> float:
-    """The fitted model-form error (relative 1 sigma): ``data/model_form.toml``."""
-    text = resources.files("ddtree.perf").joinpath("data/model_form.toml").read_text()
-    return float(tomllib.loads(text)["sigma"])
+def _model_form() -> dict:
+    text = resources.files("ddtree.perf").joinpath("data/model_form.toml").read_text("utf-8")
+    return tomllib.loads(text)
+
+
+def model_form_sigma(kind: str = "ar") -> float:
+    """The fitted model-form error (relative 1 sigma) of a step of ``kind`` ("ar" or
+    "speculative"), or of a speedup over AR ("speedup"): ``data/model_form.toml``."""
+    return float(_model_form()["sigma"][kind])
+
+
+def _kind(point) -> str:
+    return "speculative" if point.policy.needs_drafter else "ar"
 
 
 def _setup(point) -> tuple:
@@ -51,7 +62,7 @@ def case_model_form(model: ModelShape, case: ScenarioCase, cal: Calibration) -> 
     here = [misses[a.name] for a in cal.anchors if hasattr(a, "point")
             and a.model.name == model.name and _setup(a.point) == _setup(case.point)
             and a.name in misses]  # fmt: skip
-    sigma = model_form_sigma()
+    sigma = model_form_sigma(_kind(case.point))
     if not here:
         return sigma
     return float(min(sigma, np.sqrt(np.mean(np.square(here)))))
@@ -132,7 +143,12 @@ def run_case(
     if case.point.policy != AR:
         ar_step = step_cost(model, case.point.as_ar(), params, 1.0).step_s
         ar = case.point.concurrency / np.broadcast_to(np.asarray(ar_step, dtype=float), (n,))
-        speedup, ar_tps = _percentiles(tps * form / ar), _percentiles(ar / form)
+        # the speedup's own model-form error (fitted on AR-paired speculative points), shrunk
+        # as the case's is on a setup its anchors ran on
+        full = model_form_sigma(_kind(case.point))
+        rel = model_form_sigma("speedup") * (sigma / full if full > 0 else 0.0)
+        ratio = np.exp(np.random.default_rng(seed + 2).normal(0.0, rel, n))  # [n]
+        speedup, ar_tps = _percentiles(tps * form / ar * ratio), _percentiles(ar / form)
     pt_params = dict(cal.values)
     pt_params.update({k: point_value(v) for k, v in case.overrides.items()})
     pt_tau = point_value(case.tau)

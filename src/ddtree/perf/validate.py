@@ -38,8 +38,9 @@ calibration less.
 
 from __future__ import annotations
 
+import hashlib
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,31 @@ from ddtree.perf.scenario import (
 )
 
 EXPLAIN_ABOVE = 0.30  # a point off by more than this must carry a note
+BUNDLED = Path(__file__).parent / "data" / "validation"
+"""The published corpus shipped with the package (``examples/validation`` links to it)."""
+TEST_FRACTION = 0.30
+SPLIT_FILE = "test_split.txt"
+
+
+def split_of(source_key: str) -> str:
+    """'test' or 'train', by a rule fixed before any fit (issue 27): the source key's sha256,
+    its first 8 hex digits read as a fraction of 16^8, below ``TEST_FRACTION`` is test. A new
+    source lands on a side by its key alone; nothing fitted or measured moves it. Example:
+    'seed' -> 0x0f7e... -> 0.06 -> test."""
+    digest = hashlib.sha256(source_key.encode("utf-8")).hexdigest()
+    return "test" if int(digest[:8], 16) / 16**8 < TEST_FRACTION else "train"
+
+
+def frozen_test_sources(folder: str | Path) -> list[str]:
+    """The test sources written down in the folder's ``test_split.txt`` (one key a line, #
+    comments), the record the split was frozen in; [] when the folder has none."""
+    path = Path(folder) / SPLIT_FILE
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [x.strip() for x in lines if x.strip() and not x.lstrip().startswith("#")]
+
+
 BANDS = ((10, 90), (25, 75))  # the central bands whose coverage is reported
 
 
@@ -132,6 +158,11 @@ class ValidationRow:
     calibrated_on: list[str]  # source keys
     posterior: str  # how the band's samples were drawn
     model_form_sigma: float = 0.0  # the model-form error in its band (fitted without its source)
+    split: str = "train"  # split_of(its source): train rows are held out one source at a time
+
+    @property
+    def speculative(self) -> bool:
+        return self.point.anchor.point.policy.needs_drafter
 
     @property
     def rel_error(self) -> float:
@@ -156,7 +187,11 @@ class Validation:
     rows: list[ValidationRow]
     folder: str
     samples: int
-    model_form_sigma: float = 0.0  # fitted on every held-out residual
+    # "ar" / "speculative" -> sigma_m fitted on every train held-out residual of that kind
+    model_form_sigma: dict[str, float] = field(default_factory=dict)
+
+    def part(self, split: str) -> list[ValidationRow]:
+        return [r for r in self.rows if r.split == split]
 
     @property
     def mape(self) -> float:
@@ -174,12 +209,50 @@ class Validation:
 
 
 def mape(rows: list[ValidationRow]) -> float:
-    return float(np.mean([abs(r.rel_error) for r in rows]))
+    return float(np.mean([abs(r.rel_error) for r in rows])) if rows else float("nan")
 
 
 def coverage(rows: list[ValidationRow], low: int, high: int) -> float:
     """Share of the rows whose measured value lies in their [p<low>, p<high>] band."""
-    return float(np.mean([r.inside(low, high) for r in rows]))
+    return float(np.mean([r.inside(low, high) for r in rows])) if rows else float("nan")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A speculative point and the AR point of the same source, hardware, model, TP,
+    concurrency and stack: the sign of the speedup (gain or loss) is scored."""
+
+    spec: ValidationRow
+    ar: ValidationRow
+
+    @property
+    def measured_speedup(self) -> float:
+        return self.spec.measured_tokens_per_s / self.ar.measured_tokens_per_s
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.spec.predicted_tokens_per_s / self.ar.predicted_tokens_per_s
+
+    @property
+    def sign_right(self) -> bool:
+        return (self.measured_speedup > 1.0) == (self.predicted_speedup > 1.0)
+
+
+def _setup(r: ValidationRow) -> tuple:
+    a = r.point.anchor
+    p = a.point
+    return (r.point.source.key, p.hardware.key, a.model.name, p.tp, p.concurrency, p.stack,
+            p.engine, round(p.context_tokens, -2), a.metric.kind)  # fmt: skip
+
+
+def pairs(rows: list[ValidationRow]) -> list[Pair]:
+    """Every speculative row with an AR row of the same setup (``_setup``) in its source; the
+    first such AR row when the source has several."""
+    ar = {}
+    for r in rows:
+        if not r.speculative:
+            ar.setdefault(_setup(r), r)
+    return [Pair(r, ar[_setup(r)]) for r in rows if r.speculative and _setup(r) in ar]
 
 
 def load_points(folder: str | Path) -> list[ValidationPoint]:
@@ -331,51 +404,93 @@ def _fit_held(held: list[_Held]) -> float:
     )
 
 
-def _loso(points: list[ValidationPoint], samples: int, seed: int) -> list[_Held]:
-    """Leave-one-source-out: each source predicted from a calibration on the others' points."""
+def kind_of(p: ValidationPoint) -> str:
+    """'speculative' or 'ar': the model-form error is fitted for each apart (a speculative
+    step adds costs an AR step has not, so the model's error there is its own)."""
+    return "speculative" if p.anchor.point.policy.needs_drafter else "ar"
+
+
+def _predict_source(points, train, specs, samples, seed, start) -> list[_Held]:
+    cal = calibrate([p.anchor for p in train], specs, start=start)
+    others = list(dict.fromkeys(p.source.key for p in train))
+    out = []
+    for i, p in enumerate(points):
+        point, tps, how = _predict(p.anchor, cal, samples, seed + i)
+        out.append(_Held(p, point, tps, others, how))
+    return out
+
+
+def _loso(points: list[ValidationPoint], samples: int, seed: int, start=None) -> list[_Held]:
+    """Leave-one-source-out: each source predicted from a calibration on the others' points
+    (started from ``start``, the fit on all of them, so each refit is a few steps)."""
     specs = default_params()
     keys = list(dict.fromkeys(p.source.key for p in points))
     held = []
     for k, key in enumerate(keys):
-        cal = calibrate([p.anchor for p in points if p.source.key != key], specs)
-        others = [s for s in keys if s != key]
-        for i, p in enumerate(x for x in points if x.source.key == key):
-            point, tps, how = _predict(p.anchor, cal, samples, seed + 100 * k + i)
-            held.append(_Held(p, point, tps, others, how))
+        own = [p for p in points if p.source.key == key]
+        rest = [p for p in points if p.source.key != key]
+        held += _predict_source(own, rest, specs, samples, seed + 100 * k, start)
     return held
 
 
 @dataclass
 class LosoResult:
     rows: list[ValidationRow]
-    model_form_sigma: float  # fitted on every held-out point
+    model_form_sigma: dict[str, float]  # by kind_of, fitted on every train held-out point
+
+
+def _row(h: _Held, sigma_s: float, split: str, rng, pcts) -> ValidationRow:
+    width = float(np.hypot(h.point.anchor.noise, sigma_s))
+    band = h.samples * np.exp(rng.normal(0.0, width, h.samples.shape))  # [samples]
+    return ValidationRow(
+        h.point, h.point.anchor.tokens_per_s, h.predicted,
+        {p: float(np.percentile(band, p)) for p in pcts}, h.calibrated_on, h.posterior,
+        model_form_sigma=sigma_s, split=split,
+    )  # fmt: skip
 
 
 def validate(points: list[ValidationPoint], samples: int = 2000, seed: int = 0) -> LosoResult:
-    """Leave-one-source-out with a model-form error fitted the same way: for each source,
-    calibrate on the others' points and predict its own; the band a held-out measurement is
-    compared with is the posterior's tok/s times exp(N(0, noise^2 + sigma_m^2)), sigma_m fitted
-    on the *other* sources' held-out residuals only (the source under test never informs its
-    own band). The calibrations keep the declared noise: the model-form error is the spread
-    of a whole setup's level around the model (shared by a source's points), which the
-    prediction of a new setup carries and a calibration across setups averages out."""
-    held = _loso(points, samples, seed)
+    """Train sources (``split_of``) leave-one-source-out, test sources predicted from a
+    calibration on every train point; no fit ever reads a test point.
+
+    A train source is predicted from a calibration on the other train sources; a test source
+    from the calibration on all of them. The band a held-out measurement is compared with is
+    the posterior's tok/s times exp(N(0, noise^2 + sigma_m^2)), sigma_m the model-form error
+    of its kind (AR or speculative, ``kind_of``) fitted on the train held-out residuals of
+    that kind: for a train source, on the *other* train sources' only (the source under test
+    never informs its own band). The calibrations keep the declared noise: the model-form
+    error is the spread of a whole setup's level around the model (shared by a source's
+    points), which the prediction of a new setup carries and a calibration across setups
+    averages out."""
+    train = [p for p in points if split_of(p.source.key) == "train"]
+    test = [p for p in points if split_of(p.source.key) == "test"]
+    specs = default_params()
+    full = calibrate([p.anchor for p in train], specs) if train else None
+    start = None if full is None else full.mean_log
+    held = _loso(train, samples, seed, start) if len({p.source.key for p in train}) > 1 else []
     rows = []
     rng = np.random.default_rng(seed + 7)
     pcts = sorted({p for b in BANDS for p in b} | {50})
+    kinds = ("ar", "speculative")
     for h in held:
-        key = h.point.source.key
-        sigma_s = _fit_held([x for x in held if x.point.source.key != key])
-        width = float(np.hypot(h.point.anchor.noise, sigma_s))
-        band = h.samples * np.exp(rng.normal(0.0, width, h.samples.shape))  # [samples]
-        rows.append(ValidationRow(
-            h.point, h.point.anchor.tokens_per_s, h.predicted,
-            {p: float(np.percentile(band, p)) for p in pcts}, h.calibrated_on, h.posterior,
-            model_form_sigma=sigma_s,
-        ))  # fmt: skip
-    return LosoResult(rows, _fit_held(held))
+        key, kind = h.point.source.key, kind_of(h.point)
+        same = [x for x in held if x.point.source.key != key and kind_of(x.point) == kind]
+        rows.append(_row(h, _fit_held(same) if same else 0.0, "train", rng, pcts))
+    sigma = {k: _fit_held([h for h in held if kind_of(h.point) == k]) if any(
+        kind_of(h.point) == k for h in held) else 0.0 for k in kinds}  # fmt: skip
+    train_pairs = pairs(rows)
+    sigma["speedup"] = fit_model_form(
+        [np.log(x.predicted_speedup / x.measured_speedup) for x in train_pairs],
+        [x.spec.point.anchor.noise for x in train_pairs],
+    ) if train_pairs else 0.0  # fmt: skip
+    if test and train:
+        for h in _predict_source(test, train, specs, samples, seed + 10_000, start):
+            rows.append(_row(h, sigma[kind_of(h.point)], "test", rng, pcts))
+    return LosoResult(rows, sigma)
 
 
-def run(folder: str | Path, samples: int = 2000, seed: int = 0) -> Validation:
+def run(folder: str | Path | None = None, samples: int = 2000, seed: int = 0) -> Validation:
+    """Validate on ``folder`` (None: the bundled corpus, ``BUNDLED``)."""
+    folder = BUNDLED if folder is None else Path(folder)
     result = validate(load_points(folder), samples, seed)
     return Validation(result.rows, str(folder), samples, result.model_form_sigma)
