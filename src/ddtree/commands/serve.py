@@ -70,6 +70,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--access-log", action="store_true", help="log every request to stderr")
 
 
+def check_api_key(key: str | None) -> None:
+    """A key is printable ASCII without spaces (what every HTTP client can send in a header);
+    the message never echoes it."""
+    if key is None:
+        return
+    if not key.strip():
+        raise ValueError("--api-key: expected a non-empty key (or leave it unset)")
+    if not all("!" <= ch <= "~" for ch in key):
+        raise ValueError(
+            "--api-key (or $DDTREE_API_KEY): the key holds a space, a control or a non-ASCII "
+            "character; expected printable ASCII (33..126), which every HTTP client can send"
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _model_name(args: argparse.Namespace) -> str:
     if args.model_name is not None:
         if not args.model_name.strip():
@@ -85,8 +111,14 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.serve.server import bind, serve
     from ddtree.vocab import get_policy
 
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key: expected a non-empty key (or leave it unset)")
+    check_api_key(args.api_key)
+    if args.api_key is None and not is_loopback(args.host):
+        print(
+            f"warning: --host {args.host} listens beyond this machine and no --api-key is set "
+            "($DDTREE_API_KEY unset): anyone who can reach the port can use the model",
+            file=sys.stderr,
+            flush=True,
+        )
     defaults = decode_config(args, args.policy, engine_mode=args.engine_mode)
     settings = ServeSettings(
         model_name=_model_name(args),

@@ -112,8 +112,10 @@ class Service:
         key = self.settings.api_key
         if key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        # RFC 7235: the scheme is case-insensitive ("bearer KEY" is as good as "Bearer KEY")
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        given = given.strip().encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
             raise APIError(
                 401,
                 "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
