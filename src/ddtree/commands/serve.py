@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ddtree.commands._args import (
     int_in,
+    non_negative_float,
     non_negative_int,
     positive_int,
     records_file,
@@ -68,6 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="append one engine_run measurement record per finished request to this JSONL file",
     )
     p.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    p.set_defaults(_quick_exit=True)  # see ddtree.cli.main
+    p.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=5.0,
+        help="after SIGTERM/Ctrl-C, seconds the running request has to finish before it is "
+        "cut (queued ones get 503 at once; a second signal stops at once) (default: %(default)s)",
+    )
 
 
 def check_api_key(key: str | None) -> None:
@@ -133,5 +142,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"loading the models ({threads_label(args)}) ...", file=sys.stderr, flush=True)
     need_drafter = get_policy(args.policy).needs_drafter
     models = load_models(args, need_drafter=need_drafter, engine_modes=(args.engine_mode,))
-    serve(models, settings, sock, args.records, args.device, access_log=args.access_log)
+    serve(
+        models, settings, sock, args.records, args.device, access_log=args.access_log,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )  # fmt: skip
     return 0

@@ -96,6 +96,7 @@ class Service:
         self.settings, self.worker, self.chat = settings, worker, chat
         self.models = worker.models
         self.in_flight = 0  # admitted requests the engine has not finished
+        self.draining = False  # a stop signal came: no new request is admitted
         self.created = now_s()
         self._seeds = random.Random(settings.seed)
         self.metrics = ServeMetrics(worker.totals, self.queue_depth, self.running)
@@ -107,6 +108,37 @@ class Service:
         return max(self.in_flight - self.running(), 0)
 
     # --- checks, in the order a request meets them
+
+    def check_open(self) -> None:
+        if self.draining:
+            raise APIError(
+                503, "the server is shutting down; retry on another replica or later",
+                type="server_error", code="shutting_down", headers={"Connection": "close"},
+            )  # fmt: skip
+
+    def stop_now(self) -> None:
+        """A second stop signal: every request ends now (the running one at its next step)."""
+        self.draining = True
+        self.worker.drop_queued()
+        if self.worker.running is not None:
+            self.worker.running.cancel()
+
+    async def drain(self, timeout_s: float) -> None:
+        """After a stop signal: admit nothing more, end every queued request at once (each
+        answered 503, a stream with an error event and ``[DONE]``), give the running one
+        ``timeout_s`` to finish, then cancel it; returns when no request is left."""
+        self.draining = True
+        self.worker.drop_queued()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.worker.running is not None:
+            self.worker.running.cancel()
+        self.worker.drop_queued()  # one the engine had not yet taken when the clock ran out
+        deadline = loop.time() + 1.0  # the cancel lands at the next step
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
 
     def authorize(self, request: Request) -> None:
         key = self.settings.api_key
@@ -285,8 +317,11 @@ class Service:
 
 
 def _engine_error(error: BaseException) -> APIError:
-    if isinstance(error, RequestCancelled):
-        return APIError(503, "the server is shutting down", type="server_error")
+    if isinstance(error, RequestCancelled):  # only a stop signal cancels a job someone reads
+        return APIError(
+            503, "the server is shutting down; retry on another replica or later",
+            type="server_error", code="shutting_down",
+        )  # fmt: skip
     return APIError(500, f"decoding failed: {error}", type="server_error")
 
 
@@ -323,10 +358,12 @@ def build_app(
 
     async def generate(request: Request, endpoint: _Endpoint) -> Response:
         arrived_s = time.perf_counter()
+        service.check_open()
         req = parse_request(endpoint.request, await service.read_json(request))
         service.check_model(req.model)
         prompt_ids = await run_in_threadpool(service.prompt_ids, req)
         config = service.decode_config(req, len(prompt_ids))
+        service.check_open()  # a stop signal may have come while the prompt was tokenized
         job = service.admit(prompt_ids, config, endpoint, arrived_s)
         text = service.completion_text(config)
         rid, created = endpoint.shape.new_id(), now_s()
@@ -460,5 +497,6 @@ async def _sse(
     except APIError as e:
         service.metrics.errors.labels(str(e.status)).inc()
         yield _event(e.body())
+        yield b"data: [DONE]\n\n"  # the stream ends as every stream does
     finally:
         job.cancel()

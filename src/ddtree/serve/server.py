@@ -7,8 +7,12 @@ then serve; the URL line is printed when uvicorn has started the app.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
 import socket
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,10 +21,13 @@ from ddtree.serve.chat import ChatTemplate
 from ddtree.serve.metrics import EngineTotals
 from ddtree.serve.recorder import RecordWriter
 from ddtree.serve.worker import EngineWorker
+from ddtree.signals import Interrupted, keep
 from ddtree.vocab import get_policy
 
-GRACEFUL_SHUTDOWN_S = 10
-"""After a stop signal (Ctrl-C, SIGTERM), requests still running this long are cut."""
+SHUTDOWN_TIMEOUT_S = 5.0
+"""After a stop signal (Ctrl-C, SIGTERM), the running request has this long to finish
+(``--shutdown-timeout``); queued ones are answered 503 at once."""
+CLOSE_S = 1.0  # then connections have this long to send their last bytes
 LISTEN_BACKLOG = 128  # connections the kernel queues before uvicorn accepts them
 
 
@@ -48,6 +55,63 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _stopping_server(uvicorn, config, service: Service, shutdown_timeout_s: float):
+    """uvicorn's server with ddtree's stop. The first SIGINT/SIGTERM drains
+    (``Service.drain``: nothing admitted, queued requests answered 503 at once, the running
+    one given ``shutdown_timeout_s``), then uvicorn closes the connections and the app; a
+    second signal exits at once. The signal is kept in ``signum`` (the caller raises it as
+    ``Interrupted``: exit 130 / 143), not re-raised by uvicorn."""
+
+    class Server(uvicorn.Server):
+        signum: int | None = None
+        loop = None
+
+        async def startup(self, sockets=None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {
+                s: signal.signal(s, self.handle_exit)
+                for s in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(s) is not signal.SIG_IGN
+            }
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.loop is None:  # before the app started: nothing to drain
+                self.signum = self.signum or sig
+                self.should_exit = True
+                return
+            if self.signum is not None:  # a second signal: cut the running request now
+                self.loop.call_soon_threadsafe(service.stop_now)
+                self.should_exit = True
+                return
+            self.signum = sig
+            name = signal.Signals(sig).name
+            print(
+                f"ddtree serve: {name}: stopping (queued requests answered 503, the running one "
+                f"has {shutdown_timeout_s:g} s; {name} again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.loop.call_soon_threadsafe(self._drain)
+
+        def _drain(self) -> None:
+            task = self.loop.create_task(service.drain(shutdown_timeout_s))
+            task.add_done_callback(lambda _: setattr(self, "should_exit", True))
+
+    return Server(config)
+
+
 def serve(
     models,
     settings: ServeSettings,
@@ -55,8 +119,10 @@ def serve(
     records: Path | None,
     device: str,
     access_log: bool = False,
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
 ) -> None:
-    """Warm the engine up, then answer requests on ``sock`` until a stop signal."""
+    """Warm the engine up, then answer requests on ``sock`` until a stop signal (raised as
+    ``Interrupted`` once the requests are answered and the records written)."""
     import uvicorn
     from prometheus_client import disable_created_metrics
 
@@ -103,9 +169,14 @@ def serve(
         build_app(service, on_ready=ready, on_shutdown=shutdown),
         log_level="warning",
         access_log=access_log,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=CLOSE_S,
     )
+    server = _stopping_server(uvicorn, config, service, shutdown_timeout_s)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:  # the app's shutdown ran unless uvicorn ended some other way
         shutdown()
+    if server.signum is not None:
+        if writer is not None and writer.written:
+            keep(records, f"{writer.written} engine_run records")
+        raise Interrupted(server.signum)
