@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import sys
@@ -53,6 +54,54 @@ def bind(host: str, port: int) -> socket.socket:
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+HEADER_TIMEOUT_S = 10.0  # a request's headers must arrive within this (slowloris)
+KEEP_ALIVE_S = 5.0  # an idle kept-alive connection is closed after this
+MAX_HEADER_BYTES = 16 * 1024
+
+
+def _header_deadline_protocol():
+    """uvicorn's h11 protocol with a deadline on each request's headers: from the connection
+    (or the previous response) to the end of the headers at most ``HEADER_TIMEOUT_S``, however
+    slowly the bytes trickle in (uvicorn's keep-alive timeout restarts at every byte). A
+    connection that misses it is closed."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _waiting_for_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._deadline is None:
+                self._deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._expired)
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if self._waiting_for_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._waiting_for_headers():
+                self._arm()
+            elif self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def connection_lost(self, exc) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            super().connection_lost(exc)
+
+    return Protocol
 
 
 def _stopping_server(uvicorn, config, service: Service, shutdown_timeout_s: float):
@@ -170,7 +219,16 @@ def serve(
         log_level="warning",
         access_log=access_log,
         timeout_graceful_shutdown=CLOSE_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        http=_header_deadline_protocol(),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
+    if access_log:  # log_level "warning" silenced uvicorn's access logger (it logs at INFO),
+        access = logging.getLogger("uvicorn.access")  # and it wrote to stdout, not stderr
+        access.setLevel(logging.INFO)
+        for handler in access.handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(sys.stderr)
     server = _stopping_server(uvicorn, config, service, shutdown_timeout_s)
     try:
         server.run(sockets=[sock])
