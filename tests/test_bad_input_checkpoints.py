@@ -110,6 +110,17 @@ CASES = [
     Case("int8-mla-moe", AR + "/mla_int8", ("mla_int8/model.safetensors", "int8", "quantization_config")),
     Case("int16-drafter", DD + "/d_int16", ("d_int16/model.safetensors", "fc.weight", "int16")),
     Case("int8-serve", SERVE + "/q_int8", ("q_int8/model.safetensors", "int8")),
+    # 7. custom code (auto_map) refused: transformers would run the checkpoint's Python
+    Case("auto-map-tokenizer-config", AR + "/q_automap_tok", ("q_automap_tok/tokenizer_config.json", "auto_map", "custom code")),
+    Case("auto-map-tokenizer-config-chat", AR + "/q_automap_tok --chat", ("q_automap_tok/tokenizer_config.json", "auto_map")),
+    Case("auto-map-tokenizer-config-serve", SERVE + "/q_automap_tok", ("q_automap_tok/tokenizer_config.json", "auto_map")),
+    Case("auto-map-config-hf", HF + "/q_automap_cfg", ("q_automap_cfg/config.json", "auto_map", "custom code")),
+    # 8. shards a model.safetensors.index.json names outside the checkpoint folder
+    Case("index-shard-dotdot", AR + "/q_shard_up", ("q_shard_up/model.safetensors.index.json", "../outside.safetensors", "outside the checkpoint folder")),
+    Case("index-shard-absolute", HF + "/q_shard_abs", ("q_shard_abs/model.safetensors.index.json", "outside the checkpoint folder")),
+    Case("index-shard-symlink-out", AR + "/q_shard_link", ("q_shard_link/model.safetensors.index.json", "link.safetensors", "symlink leading outside")),
+    # 9. a config.json nested 100,000 deep: a clean error, not a RecursionError
+    Case("config-deeply-nested", AR + "/q_deep", ("q_deep/config.json", "nested too deeply")),
 ]  # fmt: skip
 
 
@@ -137,6 +148,19 @@ def _copy(src: Path, dst: Path, config=None, tensors=None, files: dict | None = 
         save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     for name, text in (files or {}).items():
         (dst / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+
+
+def _sharded(src: Path, dst: Path, outside: Path, shard: str) -> None:
+    """A copy of ``src`` whose weights are listed by an index naming ``shard`` (which points
+    at ``outside``, a file outside the folder) instead of a model.safetensors."""
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    if not outside.exists():
+        shutil.copy(weights, outside)
+    names = list(load_file(weights))
+    weights.unlink()
+    index = {"metadata": {}, "weight_map": {name: shard for name in names}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def _rename_layer(t: dict, old: int, new: int) -> None:
@@ -247,6 +271,15 @@ def _build(w: Path) -> None:
     _copy(q, w / "q_more", tensors=lambda t: _rename_layer(t, 1, 2))
     _copy(q, w / "q_nonorm", tensors=lambda t: t.pop("model.norm.weight"))
     _copy(q, w / "q_int8", tensors=lambda t: t.update({LAYER: t[LAYER].to(torch.int8)}))
+    tok_config = json.loads((q / "tokenizer_config.json").read_text())
+    auto_map = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    _copy(q, w / "q_automap_tok", files={"tokenizer_config.json": json.dumps({**tok_config, "auto_map": auto_map})})  # fmt: skip
+    _copy(q, w / "q_automap_cfg", config=lambda c: c.update(auto_map={"AutoModelForCausalLM": "modeling_evil.Evil"}))  # fmt: skip
+    _sharded(q, w / "q_shard_up", w / "outside.safetensors", "../outside.safetensors")
+    _sharded(q, w / "q_shard_abs", w / "outside.safetensors", str(w / "outside.safetensors"))
+    _sharded(q, w / "q_shard_link", w / "outside.safetensors", "link.safetensors")
+    (w / "q_shard_link" / "link.safetensors").symlink_to(w / "outside.safetensors")
+    _copy(q, w / "q_deep", files={"config.json": "[" * 100_000 + "]" * 100_000})
     mla = w / "mla"
     shutil.copytree(TARGET, mla)
     _copy(TARGET, w / "mla_lt_len", config=lambda c: c.update(layer_types=lt_len))

@@ -25,7 +25,8 @@ from ddtree.cli import main
 from test_bad_input import GEN, Case, _flag, run_bad_input, world  # noqa: F401
 
 # Case.argv is split on spaces; these tokens stand for what a space-split cannot hold.
-TOKENS = {"<empty>": "", "<surrogate>": "a\udcff"}  # surrogateescape's form of byte 0xff
+# <surrogate>: surrogateescape's form of byte 0xff
+TOKENS = {"<empty>": "", "<surrogate>": "a\udcff", "<tab-key>": "k\tey"}
 RUNS = Path(__file__).parent / "perf" / "data" / "demo_pair_cpu_runs.jsonl"
 HUGE = "1000000000000"
 MACHINE = "expected a device this machine has ("
@@ -92,6 +93,8 @@ COMMAND_CASES = [
     Case("train-drafter--target=2-layers", "train drafter --target {w}/cli/t_layers2 --out {w}/work/drafter", ("--target", "t_layers2/config.json", "num_hidden_layers=2", "[1, 3]")),
     Case("estimate--train-budgets=absent", f"estimate --backtest {RUNS} {TRAIN} 999", (TRAIN, "budget 999", "8, 16, 32, 64, 128, 256")),
     Case("estimate--train-budgets=one-absent", f"estimate --backtest {RUNS} {TRAIN} 8,999", (TRAIN, "budget 999")),
+    Case("serve--api-key=non-ascii", "serve --port 0 --api-key kéy", ("--api-key", "printable ASCII")),
+    Case("serve--api-key=control", "serve --port 0 --api-key <tab-key>", ("--api-key", "printable ASCII")),
     Case("estimate--train-budgets=all", f"estimate --backtest {RUNS} {TRAIN} 8,16,32,64,128,256", (TRAIN, "no run to predict")),
 ]  # fmt: skip
 

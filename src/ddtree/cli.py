@@ -155,6 +155,7 @@ def _showwarning(message, category, filename, lineno, file=None, line=None) -> N
 
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _showwarning
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parser.parse_args(argv)
@@ -162,6 +163,24 @@ def main(argv: list[str] | None = None) -> int:
     if run is None:
         (getattr(args, "_group_parser", None) or parser).print_help()
         return 2
+    code = _run_command(run, args)
+    if from_command_line and getattr(args, "_quick_exit", False):
+        # a server that has answered, written and closed everything: leave without the
+        # interpreter's teardown of torch and the models (over a second), so a stop signal's
+        # exit comes within the drain it promised
+        import atexit
+
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken stream: nothing more to say
+                pass
+        os._exit(code)
+    return code
+
+
+def _run_command(run, args: argparse.Namespace) -> int:
     with handle_signals():
         try:
             return int(run(args) or 0)

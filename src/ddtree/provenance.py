@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,34 @@ def this_hardware() -> HardwareInfo:
 def this_process(producer: str) -> Provenance:
     """This process as ``producer``: ``sys.argv``, the installed ddtree version, the
     checkout's commit."""
-    return Provenance(producer, " ".join(sys.argv), _version(), _git_commit())
+    return Provenance(producer, " ".join(redact_argv(sys.argv)), _version(), _git_commit())
+
+
+REDACTED = "***"
+# words of a flag's name that mark its value as a secret: --api-key, --hf-token, --secret ...
+# (whole words, so --max-new-tokens is no secret)
+_SECRET_WORDS = re.compile(r"(?:^|[-_])(?:key|apikey|token|secret|password|passwd)(?:$|[-_])")
+
+
+def is_secret_flag(flag: str) -> bool:
+    """Whether ``--flag``'s value is a secret to keep out of records and logs."""
+    return flag.startswith("-") and bool(_SECRET_WORDS.search(flag.lstrip("-").lower()))
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """``argv`` with the value of every secret flag (``--api-key KEY``, ``--api-key=KEY``,
+    ``--hf-token T``) replaced by ``***``: records are made to be shared."""
+    out, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+        elif arg.startswith("--") and "=" in arg and is_secret_flag(arg.split("=", 1)[0]):
+            out.append(arg.split("=", 1)[0] + "=" + REDACTED)
+        else:
+            out.append(arg)
+            hide_next = arg != "--" and is_secret_flag(arg)
+    return out
 
 
 def _cpu_model() -> str:

@@ -120,3 +120,34 @@ def test_an_address_in_use_is_one_error_naming_it():
             bind("127.0.0.1", port).listen(1)
     finally:
         taken.close()
+
+
+def _refuse_to_load(*args, **kwargs):  # serve got past its checks: stop before loading
+    raise ValueError("stopped before loading")
+
+
+@pytest.mark.parametrize(
+    ("host", "key", "warned"),
+    [("0.0.0.0", None, True), ("::", None, True), ("0.0.0.0", "k3y", False),
+     ("127.0.0.1", None, False), ("::1", None, False), ("localhost", None, False)],
+)  # fmt: skip
+def test_a_bind_beyond_this_machine_without_a_key_warns(host, key, warned, capsys, monkeypatch):
+    from ddtree.cli import main
+
+    monkeypatch.delenv("DDTREE_API_KEY", raising=False)
+    monkeypatch.setattr("ddtree.commands.serve.load_models", _refuse_to_load)
+    argv = ["serve", "--port", "0", "--host", host, "--policy", "ar"]
+    assert main(argv + ([] if key is None else ["--api-key", key])) == 2
+    err = capsys.readouterr().err
+    assert ("warning: --host" in err and "no --api-key" in err) == warned, err
+
+
+def test_secret_flag_values_are_redacted_from_the_command_line():
+    from ddtree.provenance import redact_argv
+
+    argv = ["ddtree", "serve", "--api-key", "s3cret", "--hf-token=tok", "--max-new-tokens", "32"]
+    argv += ["--client-secret", "x", "--token", "y", "--prompt", "key"]
+    assert redact_argv(argv) == [
+        "ddtree", "serve", "--api-key", "***", "--hf-token=***", "--max-new-tokens", "32",
+        "--client-secret", "***", "--token", "***", "--prompt", "key",
+    ]  # fmt: skip

@@ -199,6 +199,8 @@ def test_each_finished_request_appends_an_engine_run_record(client, records):
     assert rec.summary["new_tokens"] == resp.usage.completion_tokens
     assert rec.summary["steps"] == resp.ddtree["steps"]
     assert rec.summary["mean_tau"] == pytest.approx(resp.ddtree["mean_tau"])
+    # records are made to be shared: the API key is not in the provenance's command line
+    assert KEY not in rec.provenance.command and "--api-key ***" in rec.provenance.command
 
 
 def test_disconnect_mid_stream_stops_the_decode_and_frees_the_engine(client, server):
@@ -342,6 +344,11 @@ def test_a_missing_or_wrong_key_gets_401_on_v1_only(server, auth):
     assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 401
     assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
     assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("auth", [f"bearer {KEY}", f"BEARER {KEY}", f"Bearer  {KEY}"])
+def test_the_bearer_scheme_is_case_insensitive(server, auth):
+    assert _post(server, OK, auth=auth).status_code == 200  # RFC 7235
 
 
 def test_wrong_method_is_a_json_405(server):

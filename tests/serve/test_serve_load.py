@@ -136,3 +136,16 @@ def test_bench_serve_against_a_running_server(server, capsys):
 
 def test_bench_serve_starts_its_own_server(capsys):
     _check_bench(_bench(capsys, "--policy", "chain"))
+
+
+def test_bench_serve_flood_compares_the_step_time_idle_and_under_a_flood(server, capsys):
+    argv = ["bench", "serve", "--flood", "--url", server.url, "--repeats", "1"]
+    argv += ["--max-new-tokens", "16", "--flood-clients", "1", "--flood-bytes", "200000"]
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["bench"] == "serve --flood" and result["step_ms_idle_median"] > 0
+    assert result["ratio"] == pytest.approx(
+        result["step_ms_flood_median"] / result["step_ms_idle_median"]
+    )
+    # every flooding prompt is too long for the context: refused, none decoded
+    assert set(result["flood_statuses"]) <= {"400"}

@@ -64,6 +64,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     p.add_argument("--prompts", type=Path, help="JSON list of prompts, cycled (default: demo's)")
+    p.add_argument(
+        "--flood",
+        action="store_true",
+        help="instead: a decoding request's step time idle and under a flood of prompts too "
+        "long for the context (refused), in turns (goal: within 1.5x of idle)",
+    )
+    p.add_argument(
+        "--flood-clients", type=positive_int, default=2, help="with --flood: flooding clients"
+    )
+    p.add_argument(
+        "--flood-bytes",
+        type=positive_int,
+        default=100_000,
+        help="with --flood: characters per flooding prompt (default: %(default)s)",
+    )
     add_json_argument(p)
 
 
@@ -151,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.serve.loadgen import LoadClient, server_process
     from ddtree.vocab import get_policy
 
+    if args.flood:
+        return _flood_run(args)
     every = demo_prompts(args.prompts)
     n = args.requests
     # repeat r sends requests r*n .. r*n+n-1, cycling over the prompts (seeds follow them)
@@ -279,3 +296,110 @@ def _report(args: argparse.Namespace, directs: list, passes: list, threads: int)
         "over all pairs "
         f"{pooled['share_of_step']:.1%} of the step time"
     )
+
+
+def _flood_run(args: argparse.Namespace) -> int:
+    """``--flood``: the step time of a decoding request with no other client (idle) and
+    while ``--flood-clients`` clients post prompts of ``--flood-bytes`` characters that the
+    server must refuse (too long for the context), in turns within one run, so load drift
+    hits both alike. The server's own step time (its ``ddtree`` extension) is compared."""
+    import statistics
+    import tempfile
+    import threading
+    from contextlib import ExitStack, nullcontext
+
+    import httpx
+
+    from ddtree.serve.loadgen import server_process
+
+    log = sys.stderr
+    stack = ExitStack()
+    if args.url:
+        starting = nullcontext(None)
+    else:
+        print("starting ddtree serve ...", file=log, flush=True)
+        logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="ddtree-bench-flood-"))
+        starting = server_process(_server_args(args), Path(logs) / "serve.log")
+    prompt = demo_prompts(args.prompts)[0]
+    with stack, starting as server:
+        base_url = f"{args.url.rstrip('/')}/v1" if args.url else server.base_url
+        api_key = args.api_key if args.url else None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        model = _model_id(base_url, api_key)
+        body = {"model": model, "prompt": prompt, "max_tokens": args.max_new_tokens,
+                "ignore_eos": True, "temperature": 0}  # fmt: skip
+        # encoded once: the flooding clients' own CPU is not what is measured
+        big = json.dumps({"model": model, "prompt": "x" * args.flood_bytes, "max_tokens": 1})
+        big_headers = {**headers, "Content-Type": "application/json"}
+        flooding, stop = threading.Event(), threading.Event()
+        statuses: dict[int, int] = {}
+
+        def flood() -> None:
+            with httpx.Client(base_url=base_url, headers=headers, timeout=60) as c:
+                while not stop.is_set():
+                    if not flooding.wait(0.05):
+                        continue
+                    try:
+                        code = c.post("/completions", content=big, headers=big_headers).status_code
+                    except httpx.HTTPError:
+                        code = 0
+                    statuses[code] = statuses.get(code, 0) + 1
+
+        clients = [threading.Thread(target=flood, daemon=True) for _ in range(args.flood_clients)]
+        for t in clients:
+            t.start()
+        idle, flooded = [], []
+        flood_s = 0.0
+        try:
+            with httpx.Client(base_url=base_url, headers=headers, timeout=600) as c:
+                c.post("/completions", json=body).raise_for_status()  # warm-up
+                for r in range(args.repeats):
+                    for under_flood in (False, True):
+                        if under_flood:
+                            flooding.set()
+                            time.sleep(0.2)  # the flood is on before the decode starts
+                        t0 = time.perf_counter()
+                        resp = c.post("/completions", json=body)
+                        if under_flood:
+                            flood_s += time.perf_counter() - t0 + 0.2
+                            flooding.clear()
+                        resp.raise_for_status()
+                        step = resp.json()["ddtree"]["step_s_mean"]
+                        (flooded if under_flood else idle).append(step)
+                    print(f"repeat {r + 1}/{args.repeats}: step idle {idle[-1] * 1e3:.2f} ms, "
+                          f"under flood {flooded[-1] * 1e3:.2f} ms", file=log, flush=True)  # fmt: skip
+        finally:
+            stop.set()
+            flooding.set()
+            for t in clients:
+                t.join(70)
+    idle_ms, flood_ms = statistics.median(idle) * 1e3, statistics.median(flooded) * 1e3
+    rejected = sum(n for code, n in statuses.items() if 400 <= code < 500)
+    out = {
+        "bench": "serve --flood",
+        "flood_clients": args.flood_clients,
+        "flood_prompt_chars": args.flood_bytes,
+        "repeats": args.repeats,
+        "max_tokens": args.max_new_tokens,
+        "step_ms_idle_median": idle_ms,
+        "step_ms_flood_median": flood_ms,
+        "ratio": flood_ms / idle_ms,
+        "flood_statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "flood_requests_per_s": sum(statuses.values()) / flood_s if flood_s else 0.0,
+        "load_average_1min": os.getloadavg()[0],
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(
+        f"ddtree bench serve --flood: {args.repeats} x ({args.max_new_tokens}-token decode idle, "
+        f"then under {args.flood_clients} clients posting {args.flood_bytes:,}-character "
+        f"prompts); load average {out['load_average_1min']:.2f}"
+    )
+    print(
+        f"step time median: idle {idle_ms:.2f} ms, under flood {flood_ms:.2f} ms: "
+        f"{out['ratio']:.2f}x (goal <= 1.5x); flood: {sum(statuses.values())} requests "
+        f"({out['flood_requests_per_s']:.0f}/s), {rejected} refused, statuses "
+        f"{out['flood_statuses']}"
+    )
+    return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ddtree.commands._args import (
     int_in,
+    non_negative_float,
     non_negative_int,
     positive_int,
     records_file,
@@ -68,6 +69,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="append one engine_run measurement record per finished request to this JSONL file",
     )
     p.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    p.set_defaults(_quick_exit=True)  # see ddtree.cli.main
+    p.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=5.0,
+        help="after SIGTERM/Ctrl-C, seconds the running request has to finish before it is "
+        "cut (queued ones get 503 at once; a second signal stops at once) (default: %(default)s)",
+    )
+
+
+def check_api_key(key: str | None) -> None:
+    """A key is printable ASCII without spaces (what every HTTP client can send in a header);
+    the message never echoes it."""
+    if key is None:
+        return
+    if not key.strip():
+        raise ValueError("--api-key: expected a non-empty key (or leave it unset)")
+    if not all("!" <= ch <= "~" for ch in key):
+        raise ValueError(
+            "--api-key (or $DDTREE_API_KEY): the key holds a space, a control or a non-ASCII "
+            "character; expected printable ASCII (33..126), which every HTTP client can send"
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -85,8 +120,14 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.serve.server import bind, serve
     from ddtree.vocab import get_policy
 
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key: expected a non-empty key (or leave it unset)")
+    check_api_key(args.api_key)
+    if args.api_key is None and not is_loopback(args.host):
+        print(
+            f"warning: --host {args.host} listens beyond this machine and no --api-key is set "
+            "($DDTREE_API_KEY unset): anyone who can reach the port can use the model",
+            file=sys.stderr,
+            flush=True,
+        )
     defaults = decode_config(args, args.policy, engine_mode=args.engine_mode)
     settings = ServeSettings(
         model_name=_model_name(args),
@@ -101,5 +142,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"loading the models ({threads_label(args)}) ...", file=sys.stderr, flush=True)
     need_drafter = get_policy(args.policy).needs_drafter
     models = load_models(args, need_drafter=need_drafter, engine_modes=(args.engine_mode,))
-    serve(models, settings, sock, args.records, args.device, access_log=args.access_log)
+    serve(
+        models, settings, sock, args.records, args.device, access_log=args.access_log,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )  # fmt: skip
     return 0

@@ -34,13 +34,45 @@ def read_config(path: str | Path) -> dict:
     if not file.is_file():
         what = "directory does not exist" if not path.exists() else "file not found"
         raise CheckpointError(f"{file}: {what}; expected a checkpoint directory with {CONFIG_NAME}")
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{file}: invalid JSON at line {err.lineno}: {err.msg}") from None
+    config = read_json_file(file, "a JSON object")
     if not isinstance(config, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(config).__name__}")
     return config
+
+
+def read_json_file(file: Path, what: str):
+    """The JSON in ``file`` (UTF-8, whatever the locale); a ``CheckpointError`` naming the file
+    for text that is not UTF-8, not JSON, or nested too deeply for the parser (a 100k-deep
+    array would otherwise end in a RecursionError)."""
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{file}: not UTF-8 text; expected {what}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(
+            f"{file}: invalid JSON at line {err.lineno}: {err.msg}; expected {what}"
+        ) from None
+    except RecursionError:
+        raise CheckpointError(f"{file}: JSON nested too deeply; expected {what}") from None
+
+
+def refuse_custom_code(file: Path, config: dict, keys: tuple[str, ...] | None = None) -> None:
+    """A config (``config.json``, ``tokenizer_config.json``) whose ``auto_map`` points
+    transformers at Python files shipped in the checkpoint is refused: loading it would run
+    the checkpoint's code (or ask at a terminal whether to). ``keys``: only those entries of
+    ``auto_map`` count (``AutoTokenizer`` for a tokenizer load); None: any."""
+    auto_map = config.get("auto_map")
+    if not auto_map:
+        return
+    if keys is not None and not (isinstance(auto_map, dict) and any(k in auto_map for k in keys)):
+        return
+    raise CheckpointError(
+        f"{file}: field auto_map asks transformers to run Python code shipped with the "
+        f"checkpoint; custom code is refused (trust_remote_code is never set); expected a "
+        f"checkpoint of a built-in architecture without auto_map"
+    )
 
 
 # transformers' ALLOWED_LAYER_TYPES (5.x): the values a config's layer_types may hold
@@ -257,9 +289,7 @@ def _load_file(file: Path, device) -> dict:
 def _read_index(index: Path) -> dict[str, list[str]]:
     """``{shard file: [tensor names]}`` from a sharded index; every shard checked to exist."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{index}: invalid JSON at line {err.lineno}: {err.msg}") from None
+        weight_map = read_json_file(index, "an object with a weight_map")["weight_map"]
     except (KeyError, TypeError):
         raise CheckpointError(f"{index}: missing field weight_map") from None
     if not isinstance(weight_map, dict):
@@ -268,7 +298,7 @@ def _read_index(index: Path) -> dict[str, list[str]]:
     for name, shard in weight_map.items():
         by_shard.setdefault(shard, []).append(name)
     for shard, names in by_shard.items():
-        file = index.parent / shard
+        file = _inside(index, shard)
         if Path(shard).suffix in PICKLE_SUFFIXES:
             raise _pickle_error(file)
         if not file.is_file():
@@ -276,6 +306,34 @@ def _read_index(index: Path) -> dict[str, list[str]]:
                 f"{index}: shard {shard} (holding {_names(names)}) not found at {file}"
             )
     return by_shard
+
+
+def _inside(index: Path, shard) -> Path:
+    """The path of a shard named in ``index``, refused unless it is a plain file name (or a
+    relative path) that stays inside the checkpoint folder once symlinks are followed: an
+    index must not make the loader read ``../../secret`` or ``/etc/passwd``."""
+    folder = index.parent
+    if not isinstance(shard, str) or not shard or "\x00" in shard:
+        raise CheckpointError(
+            f"{index}: field weight_map holds shard {shard!r}; expected a file name"
+        )
+    rel = Path(shard)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise CheckpointError(
+            f"{index}: field weight_map names shard {shard!r} outside the checkpoint folder; "
+            f"expected a file name inside {folder}"
+        )
+    file = folder / rel
+    try:
+        file.resolve().relative_to(folder.resolve())
+    except ValueError:
+        raise CheckpointError(
+            f"{index}: field weight_map names shard {shard!r}, a symlink leading outside the "
+            f"checkpoint folder (to {file.resolve()}); expected a file inside {folder}"
+        ) from None
+    except (OSError, RuntimeError) as err:  # a symlink loop
+        raise CheckpointError(f"{index}: shard {shard!r} cannot be resolved ({err})") from None
+    return file
 
 
 def match_state_dict(

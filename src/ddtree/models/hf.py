@@ -157,14 +157,17 @@ class HFTarget:
         from transformers import AutoModelForCausalLM
 
         from ddtree.models.checkpoint import (
+            CONFIG_NAME,
             CheckpointError,
             read_config,
+            refuse_custom_code,
             weight_files,
             weights_source,
         )
 
         path = Path(path)
-        read_config(path)  # clear errors for a missing or broken config.json
+        # clear errors for a missing or broken config.json; custom modelling code refused
+        refuse_custom_code(path / CONFIG_NAME, read_config(path))
         weight_files(path)  # refuses pickles, names missing shards
         try:
             with quiet_transformers():  # its load report and progress bar: ours is one line
@@ -175,6 +178,7 @@ class HFTarget:
                     attn_implementation=attn_implementation,
                     output_loading_info=True,
                     ignore_mismatched_sizes=True,  # reported below, as ours are
+                    trust_remote_code=False,  # never the checkpoint's own Python
                 )
         except (ValueError, KeyError, OSError) as err:
             raise CheckpointError(f"{path}: transformers could not load it: {err}") from err

@@ -9,7 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ddtree.models.checkpoint import CONFIG_NAME, CheckpointError
+from ddtree.models.checkpoint import (
+    CONFIG_NAME,
+    CheckpointError,
+    read_json_file,
+    refuse_custom_code,
+)
 
 TOKENIZER_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
@@ -28,22 +33,13 @@ CONFIG_FIELDS = {
 }
 
 
-def _read_json(file: Path, what: str):
-    try:
-        text = file.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{file}: not UTF-8 text; expected {what}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise CheckpointError(
-            f"{file}: invalid JSON at line {err.lineno}: {err.msg}; expected {what}"
-        ) from None
+_read_json = read_json_file
 
 
 def check_tokenizer_config(path: str | Path) -> None:
     """``tokenizer_config.json`` beside a checkpoint, when there is one: a JSON object whose
-    known fields (``CONFIG_FIELDS``) have the types transformers reads them as."""
+    known fields (``CONFIG_FIELDS``) have the types transformers reads them as, and no
+    ``auto_map`` (custom tokenizer code shipped with the checkpoint: refused)."""
     file = Path(path) / TOKENIZER_CONFIG_NAME
     if not file.is_file():
         return
@@ -53,6 +49,7 @@ def check_tokenizer_config(path: str | Path) -> None:
     for name, (types, what) in CONFIG_FIELDS.items():
         if name in config and not isinstance(config[name], types):
             raise CheckpointError(f"{file}: field {name}={config[name]!r}: expected {what}")
+    refuse_custom_code(file, config)
 
 
 def load_tokenizer(path: str | Path, vocab_size: int | None = None):

@@ -408,14 +408,17 @@ def backtest(
         return BacktestRow(a.name, a.tokens_per_s, float(anchor_tokens_per_s(a, cal.values)))
 
     if train_budgets:
-        cal = calibrate(training_anchors(anchors, train_budgets), specs, fixed)
-        rows = [row(a, cal) for a in steps if a.point.budget not in train_budgets]
-        if steps and not rows:
+        # every argument check before the calibration (minutes over many records)
+        training = training_anchors(anchors, train_budgets)
+        held_out = [a for a in steps if a.point.budget not in train_budgets]
+        if steps and not held_out:
             present = sorted({a.point.budget for a in steps})
             raise ValueError(
                 f"--train-budgets: calibrating on every measured budget "
                 f"({', '.join(map(str, present))}) leaves no run to predict; leave some out"
             )
+        cal = calibrate(training, specs, fixed)
+        rows = [row(a, cal) for a in held_out]
         mode = f"calibrated on budgets {', '.join(map(str, train_budgets))}, predicting the rest"
     else:
         for a in steps:

@@ -24,6 +24,9 @@ is the same on any hardware) are kept whatever machine wrote them.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 
 from ddtree.perf.catalog import Hardware, match_gpu, this_machine, with_measured_allreduce
@@ -194,10 +197,63 @@ def _stage_anchors(step: StepAnchor, r: EngineRun) -> list[StageAnchor]:
     return out
 
 
-def _engine_anchors(i: int, r: EngineRun, machine: Hardware | None, links: dict) -> list:
-    where = f"record {i} ({r.kind}, {r.created_utc})"
+def _context(r: EngineRun) -> float:
+    """The mean context a run's steps saw: its mean prompt plus half its new tokens."""
     lens = r.prompt_lengths or [0]
-    ctx = sum(lens) / len(lens) + 0.5 * r.max_new_tokens
+    return sum(lens) / len(lens) + 0.5 * r.max_new_tokens
+
+
+def _same_setup(i: int, r: EngineRun) -> tuple:
+    """What makes two engine runs' step anchors interchangeable: the machine, the models, the
+    configuration, and the context to within a factor of 2 (its octave)."""
+    return (
+        _machine(r.hardware), r.hardware.gpu_name, str(r.config.get("device", "cpu")),
+        json.dumps(r.target, sort_keys=True, default=str),
+        json.dumps(r.drafter, sort_keys=True, default=str),
+        r.policy, r.block_size, r.budget, r.engine_mode, r.tp, r.concurrency, r.dtype,
+        int(np.floor(np.log2(max(_context(r), 1.0)))),
+    )  # fmt: skip
+
+
+def merge_runs(runs: list[EngineRun]) -> EngineRun:
+    """One engine run standing for several of one setup (``_same_setup``): its steps are all
+    of theirs, so step and stage means and tau are weighted by steps, the prefill by prompts,
+    and its context is theirs weighted by steps. ``ddtree serve --records`` writes one record
+    per request; a thousand requests of one server become a few anchors, not ten thousand."""
+    if len(runs) == 1:
+        return runs[0]
+    steps = np.array([max(r.steps, 1) for r in runs], dtype=float)
+    w = steps / steps.sum()
+    stages = list(dict.fromkeys(k for r in runs for k in r.stage_s_mean))
+    prompts = [n for r in runs for n in (r.prompt_lengths or [0])]
+    # the context each run saw, reproduced by _context from the merged prompt and new tokens
+    ctx = float(np.dot(w, [_context(r) for r in runs]))
+    mean_prompt = sum(prompts) / len(prompts)
+    prefills = [(r.prefill_s_mean, len(r.prompt_lengths or [0])) for r in runs if r.prefill_s_mean]
+    prefill = sum(p * n for p, n in prefills) / sum(n for _, n in prefills) if prefills else None
+    step_s = float(np.dot(w, [r.step_s_mean for r in runs]))
+    tau = float(np.dot(w, [r.mean_tau for r in runs]))
+    return dataclasses.replace(
+        runs[-1],
+        mean_tau=tau,
+        step_s_mean=step_s,
+        tokens_per_s=tau / step_s,
+        stage_s_mean={k: float(np.dot(w, [r.stage_s_mean.get(k, 0.0) for r in runs])) for k in stages},
+        steps=int(steps.sum()),
+        new_tokens=sum(r.new_tokens for r in runs),
+        prefill_s_mean=prefill,
+        prompts=len(prompts),
+        prompt_set={"count": len(prompts), "lengths": [round(mean_prompt)] * len(prompts)},
+        max_new_tokens=max(0, round(2 * (ctx - round(mean_prompt)))),
+        points=[],
+    )  # fmt: skip
+
+
+def _engine_anchors(
+    i: int, r: EngineRun, machine: Hardware | None, links: dict, merged: int = 1
+) -> list:
+    where = f"record {i} ({r.kind}, {r.created_utc})"
+    ctx = _context(r)
     policy = get_policy(r.policy)
     ep = int(r.target.get("ep") or 1)
     point = Point(
@@ -212,13 +268,17 @@ def _engine_anchors(i: int, r: EngineRun, machine: Hardware | None, links: dict)
         drafter=_drafter_of(r) if policy.needs_drafter else None,
         policy=policy,
     )
+    runs = f"run{i}" if merged == 1 else f"run{i}+{merged - 1}"
+    source = (
+        f"engine_run {r.created_utc}" if merged == 1 else f"{merged} engine_runs to {r.created_utc}"
+    )
     step = StepAnchor(
-        f"run{i}:{r.policy}:{r.engine_mode}:B{point.block_size}:N{point.budget}",
+        f"{runs}:{r.policy}:{r.engine_mode}:B{point.block_size}:N{point.budget}",
         _model_of(r, where),
         point,
         r.mean_tau,
         r.step_s_mean,
-        f"measured: engine_run {r.created_utc} ({r.provenance.producer})",
+        f"measured: {source} ({r.provenance.producer})",
         from_records=True,
     )
     return [step, *_stage_anchors(step, r)]
@@ -262,9 +322,14 @@ def anchors_from_records(records: list[Record]) -> tuple[list, Hardware | None]:
         machine = with_measured_allreduce(machine, cpu_links[-1])
     links = measured_links(records)
     anchors: list = []
+    groups: dict[tuple, list[tuple[int, EngineRun]]] = {}
     for i, r in enumerate(records):
         if isinstance(r, EngineRun):
-            anchors.extend(_engine_anchors(i, r, machine, links))
+            groups.setdefault(_same_setup(i, r), []).append((i, r))
         elif isinstance(r, BenchMoe):
             anchors.extend(_moe_anchors(i, r, machine))
+    for group in sorted(groups.values(), key=lambda g: g[0][0]):
+        first = group[0][0]
+        merged = merge_runs([r for _, r in group])
+        anchors.extend(_engine_anchors(first, merged, machine, links, merged=len(group)))
     return anchors, machine

@@ -22,6 +22,7 @@ without ``seed`` gets one drawn from a generator seeded by ``--seed`` (and retur
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -32,9 +33,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -76,6 +76,7 @@ class ServeSettings:
     max_body_bytes: int
     api_key: str | None = None
     seed: int = 0  # seeds the seeds of requests that give none
+    body_timeout_s: float = 30.0  # a body not received in this long: 408 (slow uploads)
 
 
 @dataclass
@@ -96,8 +97,13 @@ class Service:
         self.settings, self.worker, self.chat = settings, worker, chat
         self.models = worker.models
         self.in_flight = 0  # admitted requests the engine has not finished
+        self.draining = False  # a stop signal came: no new request is admitted
         self.created = now_s()
         self._seeds = random.Random(settings.seed)
+        self.max_token_chars = _max_token_chars(self.models.codec)
+        # prompts are tokenized one at a time, off the event loop: a flood of them takes one
+        # core at most from the engine, never a thread pool's worth
+        self.tokenizing = concurrent.futures.ThreadPoolExecutor(1, "ddtree-tokenize")
         self.metrics = ServeMetrics(worker.totals, self.queue_depth, self.running)
 
     def running(self) -> int:
@@ -108,12 +114,45 @@ class Service:
 
     # --- checks, in the order a request meets them
 
+    def check_open(self) -> None:
+        if self.draining:
+            raise APIError(
+                503, "the server is shutting down; retry on another replica or later",
+                type="server_error", code="shutting_down", headers={"Connection": "close"},
+            )  # fmt: skip
+
+    def stop_now(self) -> None:
+        """A second stop signal: every request ends now (the running one at its next step)."""
+        self.draining = True
+        self.worker.drop_queued()
+        if self.worker.running is not None:
+            self.worker.running.cancel()
+
+    async def drain(self, timeout_s: float) -> None:
+        """After a stop signal: admit nothing more, end every queued request at once (each
+        answered 503, a stream with an error event and ``[DONE]``), give the running one
+        ``timeout_s`` to finish, then cancel it; returns when no request is left."""
+        self.draining = True
+        self.worker.drop_queued()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.worker.running is not None:
+            self.worker.running.cancel()
+        self.worker.drop_queued()  # one the engine had not yet taken when the clock ran out
+        deadline = loop.time() + 1.0  # the cancel lands at the next step
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
     def authorize(self, request: Request) -> None:
         key = self.settings.api_key
         if key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        # RFC 7235: the scheme is case-insensitive ("bearer KEY" is as good as "Bearer KEY")
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        given = given.strip().encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
             raise APIError(
                 401,
                 "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
@@ -126,14 +165,47 @@ class Service:
         if declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"request body of {declared} bytes exceeds the limit {limit}")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        try:
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        except TimeoutError:
+            raise APIError(
+                408, f"request body not received within {self.settings.body_timeout_s:g} s "
+                f"({len(body)} bytes came)", headers={"Connection": "close"},
+            ) from None  # fmt: skip
         try:
             return json.loads(body)
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
             raise APIError(400, f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError(400, "request body is nested too deeply to be a request") from None
+
+    def check_prompt_size(self, req) -> None:
+        """Refuse a prompt that cannot fit the context before tokenizing it: no token is
+        longer than ``max_token_chars`` characters, so a text of more characters than that
+        times the context (or a token-id list longer than the context) cannot fit. A flood of
+        huge prompts then costs no tokenizer time beside the engine's."""
+        limit = self.models.target.info.max_position
+        if isinstance(req, ChatCompletionRequest):
+            chars, param = sum(len(m.for_template()["content"]) for m in req.messages), "messages"
+        elif isinstance(req.prompt, str):
+            chars, param = len(req.prompt), "prompt"
+        else:
+            if len(req.prompt) >= limit:
+                raise APIError(
+                    400, f"the prompt has {len(req.prompt)} tokens; the context holds "
+                    f"max_position {limit}", param="prompt", code="context_length_exceeded",
+                )  # fmt: skip
+            return
+        if chars > limit * self.max_token_chars:
+            raise APIError(
+                400, f"the prompt has {chars} characters, more than the {limit} tokens of the "
+                f"context (max_position {limit}) can hold", param=param,
+                code="context_length_exceeded",
+            )  # fmt: skip
 
     def check_model(self, model: str) -> None:
         if model != self.settings.model_name:
@@ -282,14 +354,34 @@ class Service:
         }
 
 
+def _max_token_chars(codec) -> int:
+    """The most characters one token of ``codec`` decodes to (at least 1; 64 when the
+    tokenizer does not say): a byte-level vocabulary spells each byte as one character, so a
+    token's vocabulary string is never shorter than its text."""
+    try:
+        vocab = codec.tokenizer.get_vocab(with_added_tokens=True)
+    except AttributeError:
+        return 64
+    return max((len(t) for t in vocab), default=1) or 1
+
+
 def _engine_error(error: BaseException) -> APIError:
-    if isinstance(error, RequestCancelled):
-        return APIError(503, "the server is shutting down", type="server_error")
+    if isinstance(error, RequestCancelled):  # only a stop signal cancels a job someone reads
+        return APIError(
+            503, "the server is shutting down; retry on another replica or later",
+            type="server_error", code="shutting_down",
+        )  # fmt: skip
     return APIError(500, f"decoding failed: {error}", type="server_error")
 
 
-def _json_error(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+def _json_error(error: APIError) -> Response:
+    return Response(_json_bytes(error.body()), error.status, error.headers, "application/json")
+
+
+def _json_bytes(body: dict) -> bytes:
+    """``body`` as UTF-8 JSON; a lone surrogate a client sent (a key's ``\\udcff`` echoed in
+    a message) goes out escaped, never as a failed encode (a 500)."""
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 async def _disconnected(request: Request) -> None:
@@ -313,18 +405,27 @@ def build_app(
             try:
                 service.authorize(request)
                 return await handler(request)
-            except APIError as e:
-                service.metrics.errors.labels(str(e.status)).inc()
-                return _json_error(e)
+            except ClientDisconnect:  # left mid-upload: nobody to answer, nothing to log
+                return Response(status_code=499)
+            except RecursionError:  # a body nested past the parser's depth
+                e = APIError(400, "request body is nested too deeply to be a request")
+            except APIError as error:
+                e = error
+            service.metrics.errors.labels(str(e.status)).inc()
+            return _json_error(e)
 
         return wrapped
 
     async def generate(request: Request, endpoint: _Endpoint) -> Response:
         arrived_s = time.perf_counter()
+        service.check_open()
         req = parse_request(endpoint.request, await service.read_json(request))
         service.check_model(req.model)
-        prompt_ids = await run_in_threadpool(service.prompt_ids, req)
+        service.check_prompt_size(req)
+        loop = asyncio.get_running_loop()
+        prompt_ids = await loop.run_in_executor(service.tokenizing, service.prompt_ids, req)
         config = service.decode_config(req, len(prompt_ids))
+        service.check_open()  # a stop signal may have come while the prompt was tokenized
         job = service.admit(prompt_ids, config, endpoint, arrived_s)
         text = service.completion_text(config)
         rid, created = endpoint.shape.new_id(), now_s()
@@ -384,6 +485,7 @@ def build_app(
         if on_ready is not None:
             on_ready()
         yield
+        service.tokenizing.shutdown(wait=False, cancel_futures=True)
         if on_shutdown is not None:
             on_shutdown()
 
@@ -423,7 +525,7 @@ class _Bodies:
 
 def _event(body: dict) -> bytes:
     """One server-sent event carrying a JSON body."""
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _json_bytes(body) + b"\n\n"
 
 
 async def _collect(events: AsyncIterator):
@@ -458,5 +560,6 @@ async def _sse(
     except APIError as e:
         service.metrics.errors.labels(str(e.status)).inc()
         yield _event(e.body())
+        yield b"data: [DONE]\n\n"  # the stream ends as every stream does
     finally:
         job.cancel()

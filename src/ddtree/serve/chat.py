@@ -30,13 +30,18 @@ class ChatTemplate:
         ``prompt_ids`` then says so, so a server can still serve plain completions)."""
         from transformers import AutoTokenizer
 
+        from ddtree.models.checkpoint import CONFIG_NAME, read_config, refuse_custom_code
         from ddtree.models.tokenizer import TOKENIZER_NAME, check_tokenizer_config, load_tokenizer
 
-        # the files transformers reads, checked first: one line naming a broken one
+        # the files transformers reads, checked first: one line naming a broken one, and
+        # custom tokenizer code (auto_map) refused rather than run
         check_tokenizer_config(checkpoint)
+        config_file = Path(checkpoint) / CONFIG_NAME
+        if config_file.is_file():
+            refuse_custom_code(config_file, read_config(checkpoint), keys=("AutoTokenizer",))
         if (Path(checkpoint) / TOKENIZER_NAME).is_file():
             load_tokenizer(checkpoint)
-        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), trust_remote_code=False)
         return ChatTemplate(tokenizer if tokenizer.chat_template else None, Path(checkpoint))
 
     @property

@@ -15,6 +15,7 @@ class RecordWriter:
     def __init__(self, path: Path, models, device: str) -> None:
         self.path, self.models, self.device = path, models, device
         self._pending: queue.Queue = queue.Queue()
+        self.written = 0  # records appended so far
         self._thread = threading.Thread(target=self._run, name="ddtree-records", daemon=True)
         self._thread.start()
 
@@ -65,5 +66,6 @@ class RecordWriter:
 
         try:
             write_records(self.path, [self._record(*item) for item in items])
+            self.written += len(items)
         except Exception as e:  # a full disk or a bad record must not stop the service
             print(f"warning: {self.path}: {len(items)} records not written ({e})", file=sys.stderr)

@@ -70,6 +70,9 @@ class Job:
         self.queue_s = 0.0  # set when the engine takes it
         self.cancel_s: float | None = None  # perf_counter when cancel() was called
         self._cancel = threading.Event()
+        self._lock = threading.Lock()  # between cancel() and the engine taking the job
+        self._started = False
+        self._ended = False
         self._on_end = on_end
 
     @property
@@ -77,10 +80,25 @@ class Job:
         return self._cancel.is_set()
 
     def cancel(self) -> None:
-        """Stop at the next step (any thread; harmless once it has ended)."""
-        if not self._cancel.is_set():
+        """Stop at the next step (any thread; harmless once it has ended). A job the engine
+        has not taken yet ends at once (``Failed(RequestCancelled)``): its queue slot is free
+        now, not when the engine reaches it."""
+        with self._lock:
+            if self._cancel.is_set():
+                return
             self.cancel_s = time.perf_counter()
             self._cancel.set()
+            queued = not self._started
+        if queued:
+            self.post(Failed(RequestCancelled()))
+
+    def claim(self) -> bool:
+        """The engine takes the job (engine thread): False when it was cancelled first."""
+        with self._lock:
+            if self._cancel.is_set():
+                return False
+            self._started = True
+            return True
 
     def on_commit(self, tokens: list[int]) -> None:  # engine thread, after every step
         if self._cancel.is_set():
@@ -94,9 +112,13 @@ class Job:
             pass
 
     def _deliver(self, event: Event) -> None:  # event loop
+        if self._ended:  # one end per job (a cancel while queued ends it before the engine)
+            return
         self.events.put_nowait(event)
-        if isinstance(event, Finished | Failed) and self._on_end is not None:
-            self._on_end(self, event)
+        if isinstance(event, Finished | Failed):
+            self._ended = True
+            if self._on_end is not None:
+                self._on_end(self, event)
 
 
 class EngineWorker:
@@ -129,9 +151,17 @@ class EngineWorker:
     def submit(self, job: Job) -> None:
         self._jobs.put(job)
 
-    def stop(self) -> None:
+    def drop_queued(self) -> int:
+        """Cancel every job still waiting (each ends at once); returns how many."""
+        with self._jobs.mutex:
+            waiting = [job for job in self._jobs.queue if job is not None]
+        for job in waiting:
+            job.cancel()
+        return len(waiting)
+
+    def stop(self, timeout_s: float | None = None) -> None:
         """Cancel the running job, drop the queued ones, end the thread (once; later calls
-        return at once)."""
+        return at once). ``timeout_s``: wait at most that long for the running step."""
         if self._thread is None or not self._thread.is_alive():
             return
         while True:
@@ -145,7 +175,7 @@ class EngineWorker:
             self.running.cancel()
         self._jobs.put(None)
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
 
     def _run(self, warm_up_config, progress) -> None:
         try:
@@ -156,8 +186,7 @@ class EngineWorker:
         finally:
             self._ready.set()
         while (job := self._jobs.get()) is not None:
-            if job.cancelled:
-                job.post(Failed(RequestCancelled()))
+            if not job.claim():  # cancelled while queued: it has ended already
                 continue
             self.running = job
             try:

@@ -68,10 +68,14 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 def load_frozen_target(target_dir: Path):
     from transformers import AutoModelForCausalLM
 
+    from ddtree.models.checkpoint import CONFIG_NAME, read_config, refuse_custom_code
     from ddtree.models.hf import quiet_transformers
 
+    refuse_custom_code(Path(target_dir) / CONFIG_NAME, read_config(target_dir))
     with quiet_transformers():  # no progress bar: a refused resume after it is one line
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(target_dir), dtype=torch.float32, trust_remote_code=False
+        )
     model.eval().requires_grad_(False)
     return model
 
