@@ -2,7 +2,7 @@
 exactly one line on stderr that names the file, field or argument and what was expected, no
 traceback, and leave every file as it was (no output half-written, no input touched).
 
-Classes covered (the README lists them too): numeric flags at 0, negative, NaN, inf and huge;
+Classes covered (docs/bad-input.md lists them too): numeric flags at 0, negative, NaN, inf and huge;
 estimate scenario files (missing, not TOML, unknown fields, missing sections, quantities with
 the wrong unit, no unit, zero, negative, NaN, out of range, unknown names); records files
 (missing, empty, a folder, binary, truncated, not JSON objects, another kind, a newer schema
