@@ -34,9 +34,13 @@ def test_ddtree_takes_at_most_the_vocabulary_and_at_least_one_candidate():
 
 
 def test_registry_and_baseline():
-    assert list(POLICIES) == ["ar", "chain", "ddtree", "eagle", "mtp"]
+    assert list(POLICIES) == ["ar", "chain", "ddtree", "eagle", "mtp", "ngram", "medusa"]
     drafting = {n: p.drafting for n, p in POLICIES.items()}
     assert [n for n, d in drafting.items() if d is not None and d.in_steps] == ["eagle", "mtp"]
+    # n-gram lookup and Medusa heads are described by SGLang's step fields, but draft in one
+    # pass (or none)
+    assert [n for n, d in drafting.items() if d is not None and d.step_fields] == [
+        "eagle", "mtp", "ngram", "medusa"]  # fmt: skip
     assert POLICIES["ar"] is AR and not AR.needs_drafter
     assert DEFAULT_POLICY in POLICIES
     with pytest.raises(ValueError, match="policy 'beam': expected one of ar, chain, ddtree, eagle"):

@@ -72,11 +72,6 @@ class Drafting(StrEnum):
         by a block size and budget."""
         return self in (Drafting.STEPS, Drafting.MTP, Drafting.LOOKUP, Drafting.HEADS)
 
-    @property
-    def has_model(self) -> bool:
-        """A drafter model runs (every drafting but a host lookup)."""
-        return self is not Drafting.LOOKUP
-
 
 @dataclass(frozen=True)
 class Policy:
