@@ -764,7 +764,13 @@ def _parse(
     for name, raw in (data.get("parameters") or {}).items():
         w = f"{where}: parameters.{name}"
         if name not in specs:
-            raise ScenarioError(f"{w}: unknown parameter; known: {', '.join(specs)}")
+            close = [n for n in specs if n.split(".")[0] == name.split(".")[0]] or list(specs)
+            shown = ", ".join(close[:12]) + (
+                f", ... ({len(close)} in all)" if len(close) > 12 else ""
+            )
+            raise ScenarioError(
+                f"{w}: unknown parameter; known: {shown} (estimate --explain lists every one)"
+            )
         pinned, specs[name] = _param_entry(name, raw, specs[name], w)
         if pinned is not None:
             fixed[name] = pinned
