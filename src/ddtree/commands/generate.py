@@ -63,7 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _read(path: str, what: str) -> str:
     """The text of ``path`` ('-': stdin), or a one-line error naming it."""
     if path == STDIN:
-        data, name = sys.stdin.buffer.read(), "stdin"
+        try:
+            data, name = sys.stdin.buffer.read(), "stdin"
+        except OSError as e:  # closed (`<&-`, ddtree.streams) or unreadable
+            raise ValueError(f"{what} -: cannot read stdin: {e.strerror or e}") from None
     else:
         try:
             data, name = Path(path).read_bytes(), path

@@ -249,5 +249,5 @@ def write_report(curves, check, out: Path, anchors=()) -> list[Path]:
                f"{check.predicted_flat}.", ""]  # fmt: skip
     report = out / "tune.md"
     with replace_atomically(report) as partial:
-        partial.write_text("\n".join(md))
+        partial.write_text("\n".join(md), encoding="utf-8")
     return [png, report]

@@ -401,7 +401,9 @@ def save_safetensors(path: str | Path, state_dict: dict, config: dict) -> list[s
             out[name] = tensor.clone()
         else:
             ptrs[ptr] = name
-    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (path / CONFIG_NAME).write_text(
+        json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    )
     save_file(out, path / WEIGHTS_NAME, metadata={"format": "pt"})
     return list(out)
 

@@ -440,7 +440,7 @@ def load_model(spec: dict[str, Any], where: str, base_dir: Path | None = None) -
         if not path.is_file():
             raise ModelError(f"{where}: model.config: no such file {path}")
         try:
-            cfg = json.loads(path.read_text())
+            cfg = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise ModelError(f"{where}: model.config {path}: not JSON ({exc.msg})") from None
         shape = shape_from_config(cfg, name=path.parent.name, where=str(path))

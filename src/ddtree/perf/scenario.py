@@ -688,7 +688,7 @@ def load_scenario(
     path = Path(path)
     where = str(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ScenarioError(f"{where}: no such scenario file") from None
     except tomllib.TOMLDecodeError as exc:

@@ -34,7 +34,9 @@ PERCENTILES = (10, 50, 90)
 @cache
 def model_form_sigma() -> float:
     """The fitted model-form error (relative 1 sigma): ``data/model_form.toml``."""
-    text = resources.files("ddtree.perf").joinpath("data/model_form.toml").read_text()
+    text = (
+        resources.files("ddtree.perf").joinpath("data/model_form.toml").read_text(encoding="utf-8")
+    )
     return float(tomllib.loads(text)["sigma"])
 
 
