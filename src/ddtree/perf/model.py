@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ddtree.files import read_input_bytes
+
 # bytes per parameter, scales included
 PRECISION_BYTES: dict[str, float] = {
     "fp32": 4.0,
@@ -437,12 +439,18 @@ def load_model(spec: dict[str, Any], where: str, base_dir: Path | None = None) -
             path = base_dir / path
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
+        if not path.exists():
             raise ModelError(f"{where}: model.config: no such file {path}")
-        try:
-            cfg = json.loads(path.read_text(encoding="utf-8"))
+        try:  # a regular file only, checked before it is opened (a FIFO would block)
+            cfg = json.loads(read_input_bytes(path, "a config.json file").decode("utf-8"))
+        except OSError as exc:
+            raise ModelError(f"{where}: model.config {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ModelError(f"{where}: model.config {path}: not UTF-8 text") from None
         except json.JSONDecodeError as exc:
             raise ModelError(f"{where}: model.config {path}: not JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ModelError(f"{where}: model.config {path}: JSON nested too deeply") from None
         shape = shape_from_config(cfg, name=path.parent.name, where=str(path))
     prec = spec.get("precision") or {}
     if prec:
