@@ -339,7 +339,7 @@ def world(tmp_path_factory) -> Path:
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
     return {
-        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns)  # a loop has no stat
         for p in sorted(root.rglob("*"))
     }
 

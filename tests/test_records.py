@@ -310,6 +310,11 @@ def _make_dangling_link(p: Path) -> Path:
     return p
 
 
+def _make_symlink_loop(p: Path) -> Path:
+    p.symlink_to(p)  # pathlib's resolve() raised RuntimeError("Symlink loop"): a traceback
+    return p
+
+
 def _make_hard_link(p: Path) -> Path:
     write_records(p.parent / "original.jsonl", [_bw(1e10)])
     os.link(p.parent / "original.jsonl", p)
@@ -337,6 +342,7 @@ REFUSED = [
     (_make_fifo, "is a named pipe (FIFO)"),
     (_make_device_link, "/dev/null: is a character device"),
     (_make_dangling_link, "which does not exist"),
+    (_make_symlink_loop, "is a symlink loop"),
     (_make_hard_link, "has 2 hard links"),
     (_make_read_only, "is read-only (mode 0444)"),
     (_make_scenario, "is not a records file"),

@@ -18,6 +18,7 @@ import warnings
 from ddtree.errors import DistributedError, NonFiniteLogitsError
 from ddtree.records import RecordWarning
 from ddtree.signals import exit_code, handle_signals, interrupted_line
+from ddtree.streams import BROKEN_PIPE_EXIT, broken_stdout, quiet_broken_stdout
 
 # (command path, module, one-line help). A path of two words is a sub-subcommand.
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
@@ -156,6 +157,10 @@ def _showwarning(message, category, filename, lineno, file=None, line=None) -> N
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _showwarning
     from_command_line = argv is None
+    if from_command_line:  # closed streams refused when used, unencodable text replaced
+        from ddtree import streams
+
+        streams.prepare()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parser.parse_args(argv)
@@ -184,6 +189,14 @@ def _run_command(run, args: argparse.Namespace) -> int:
     with handle_signals():
         try:
             return int(run(args) or 0)
+        except BrokenPipeError:
+            # stdout's reader has gone (`ddtree generate | head -c 5`): end quietly, with the
+            # status of a program SIGPIPE ended (141), as `yes | head` does
+            if not broken_stdout() or os.environ.get("DDTREE_DEBUG"):
+                print(f"error: {_describe(sys.exc_info()[1])}", file=sys.stderr)
+                return 2
+            quiet_broken_stdout()
+            return BROKEN_PIPE_EXIT
         except (ValueError, OSError, NonFiniteLogitsError, DistributedError) as e:
             # bad input (files, fields, arguments), a file that cannot be read or written, or
             # a model emitting NaN/inf: the message names it; DDTREE_DEBUG=1 re-raises

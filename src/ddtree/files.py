@@ -6,9 +6,12 @@ reports).
   written: an existing folder, device node, named pipe (FIFO) or socket is refused, and so is
   a read-only file (its mode says "keep this"). A symlink is followed, as a shell's ``>`` and
   ``>>`` follow it: its target is checked and written, the link stays a link; a dangling link
-  is refused. A missing file is fine when its nearest existing parent is a writable folder
+  is refused, and so is a symlink loop (``ln -s loop loop``). A missing file is fine when its nearest existing parent is a writable folder
   (the writers create the folders between).
 - ``check_output_folder(path, what)``: the same for a folder a command writes files into.
+- ``check_input_file(path, what)`` and ``read_input_bytes(path, what, limit)``: a file to
+  read must be a regular file, checked before it is opened (a FIFO would block the reader
+  forever, ``/dev/zero`` would fill the memory); ``limit`` caps how much is read.
 - ``replace_atomically(path)``: a temporary file beside the target; after the caller has
   written it, it takes the old file's mode and is renamed over the target in a section no
   signal cuts in half (``ddtree.signals.deferred``). If writing fails (a full disk, an
@@ -53,11 +56,25 @@ def resolve_output(path: str | os.PathLike, what: str) -> Path:
     """``path`` with a symlink followed to its target (a dangling one refused)."""
     path = Path(path)
     if path.is_symlink():
-        target = path.resolve()
+        try:
+            target = path.resolve()
+        except (OSError, RuntimeError):  # RuntimeError: pathlib's "Symlink loop" (3.11)
+            raise _refuse(path, "is a symlink loop (following it never ends)", what) from None
+        if _loops(target):
+            raise _refuse(path, "is a symlink loop (following it never ends)", what)
         if not target.exists():
             raise _refuse(path, f"is a symlink to {target}, which does not exist", what)
         return target
     return path
+
+
+def _loops(path: Path) -> bool:
+    """Whether following ``path`` (or a folder on the way) goes round a symlink loop."""
+    try:
+        path.stat()
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
 
 
 def check_output_file(path: str | os.PathLike, what: str = "a regular file to write") -> Path:
@@ -82,7 +99,7 @@ def check_output_file(path: str | os.PathLike, what: str = "a regular file to wr
 def check_output_folder(path: str | os.PathLike, what: str = "a folder to write into") -> Path:
     """A folder a writer may create files in: an existing writable folder, or a path whose
     nearest existing parent is one. Creates nothing."""
-    path = Path(path)
+    path = resolve_output(path, what)
     if path.exists():
         if not path.is_dir():
             raise _refuse(path, "is not a folder", what)
@@ -103,6 +120,43 @@ def _check_new(path: Path, what: str) -> None:
         raise _refuse(path, f"{parent} is not a folder", what)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise _refuse(path, f"its folder {parent} is not writable", what)
+
+
+def check_input_file(path: str | os.PathLike, what: str = "a regular file to read") -> Path:
+    """``path`` when it is a regular file (a symlink followed), checked without opening it: a
+    named pipe (FIFO) would block the reader until a writer comes, and a device may never end
+    (``/dev/zero``), so a folder, FIFO, device, socket or symlink loop is an ``OSError``
+    naming the path and ``what`` was expected. A missing file is ``FileNotFoundError``."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _refuse(path, "is a symlink loop (following it never ends)", what) from None
+        raise
+    kind = _KINDS.get(stat.S_IFMT(st.st_mode))
+    if kind is not None:
+        raise _refuse(path, f"is {kind}", what)
+    return path
+
+
+def read_input_bytes(
+    path: str | os.PathLike, what: str = "a regular file to read", limit: int | None = None
+) -> bytes:
+    """The bytes of the regular file ``path`` (``check_input_file``), at most ``limit`` of
+    them: a longer file is an ``OSError`` naming it, read no further than the limit. Opened
+    without blocking and checked again once open, so a FIFO put there in between is refused
+    too."""
+    path = check_input_file(path, what)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _refuse(path, "is not a regular file", what)
+        os.set_blocking(fd, True)
+        data = fh.read() if limit is None else fh.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise _refuse(path, f"is larger than {limit:,} bytes", what)
+    return data
 
 
 def failed_write(exc: OSError, path: Path, doing: str, kept: str) -> OSError:

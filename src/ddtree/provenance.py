@@ -72,7 +72,7 @@ def redact_argv(argv: list[str]) -> list[str]:
 
 def _cpu_model() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:

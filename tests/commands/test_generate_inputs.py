@@ -113,7 +113,7 @@ def test_bad_prompt_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch):
     binary.write_bytes(b"def \xff\xfe(")
     for argv, expected in (
         (["--prompt-file", str(tmp_path / "missing.txt")], "missing.txt: No such file"),
-        (["--prompt-file", str(folder)], "a folder; expected a file"),
+        (["--prompt-file", str(folder)], "is a folder; expected a regular text file"),
         (["--prompt-file", str(empty)], "empty; expected a prompt"),
         (["--prompt-file", str(binary)], "not UTF-8 text (invalid start byte at byte 4)"),
         (["--prompt", ""], "--prompt: empty"),

@@ -85,7 +85,7 @@ def last_level_cache_bytes() -> int | None:
     """Size of the largest CPU cache (Linux sysfs), or None if unknown."""
     best = None
     for size_file in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = size_file.read_text().strip()
+        text = size_file.read_text(encoding="utf-8").strip()
         try:
             value = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]]
         except (KeyError, ValueError):

@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     demo = Path(str(files("ddtree") / "assets" / "demo"))
-    text = json.loads((demo / "prompts.json").read_text())[0]
+    text = json.loads((demo / "prompts.json").read_text(encoding="utf-8"))[0]
     prompt = load_tokenizer(demo / "target").encode(text).ids[:64]
     with contextlib.redirect_stdout(None):
         counts = count_kernels(demo / "target", demo / "drafter", prompt, args.budget)
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         f"budget {args.budget} after a {len(prompt)}-token prompt",
     )
     if args.out:
-        args.out.write_text(text)
+        args.out.write_text(text, encoding="utf-8")
     else:
         print(text, end="")
     return 0

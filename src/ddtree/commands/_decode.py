@@ -23,6 +23,7 @@ from ddtree.commands._args import (
     seed,
     set_threads,
 )
+from ddtree.files import read_input_bytes
 from ddtree.utf8 import check_text, decode_text
 from ddtree.vocab import (
     DEFAULT_POLICY,
@@ -34,6 +35,9 @@ from ddtree.vocab import (
     policies_help,
 )
 
+# the most a prompt, messages or prompts file (or stdin) may hold: far more text than any
+# context; a larger one (or /dev/zero, refused before as not a regular file) is not read on
+PROMPT_FILE_LIMIT = 64 << 20
 DEMO_DIR = Path(str(files("ddtree") / "assets" / "demo"))
 # ddtree.models.TARGET_IMPLS' names (not imported here: it imports torch; a test keeps them equal)
 TARGET_IMPL_CHOICES = ("auto", "mla_moe", "decoder", "hf")
@@ -286,12 +290,12 @@ def demo_prompts(path: Path | None = None) -> list[str]:
     """Held-out prompts (JSON list of strings), by default the demo pair's."""
     what = f"--prompts {path}" if path else str(DEMO_DIR / "prompts.json")
     path = path or DEMO_DIR / "prompts.json"
-    try:
-        data = path.read_bytes()
+    try:  # a regular file only, checked before it is opened (a FIFO would block forever)
+        data = read_input_bytes(path, "a regular JSON file", PROMPT_FILE_LIMIT)
     except FileNotFoundError:
         raise ValueError(f"{what}: prompts file not found") from None
-    except IsADirectoryError:
-        raise ValueError(f"{what}: a folder; expected a JSON file") from None
+    except OSError as e:
+        raise ValueError(f"{what}: {e.strerror or e}") from None
     try:
         prompts = json.loads(decode_text(data, what))
     except json.JSONDecodeError as e:

@@ -111,7 +111,7 @@ def _shape(args: argparse.Namespace):
         if not path.is_file():
             raise ValueError(f"--config {args.config}: no such file")
         try:
-            cfg = json.loads(path.read_text())
+            cfg = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise ValueError(f"--config {path}: not valid JSON ({exc.msg})") from None
         base, source = MoeShape.from_hf(cfg, str(path)), str(path)
@@ -138,7 +138,7 @@ def _available_bytes(device: str) -> int | None:
     if device == "cuda":
         return int(torch.cuda.mem_get_info()[0])
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except OSError:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from ddtree.commands._args import records_file, threads_label
 from ddtree.commands._decode import (
+    PROMPT_FILE_LIMIT,
     add_decode_arguments,
     add_model_arguments,
     add_policy_arguments,
@@ -23,6 +23,7 @@ from ddtree.commands._decode import (
     load_models,
     model_paths,
 )
+from ddtree.files import read_input_bytes
 from ddtree.utf8 import check_text, decode_text
 from ddtree.vocab import get_policy
 
@@ -63,12 +64,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _read(path: str, what: str) -> str:
     """The text of ``path`` ('-': stdin), or a one-line error naming it."""
     if path == STDIN:
-        data, name = sys.stdin.buffer.read(), "stdin"
-    else:
         try:
-            data, name = Path(path).read_bytes(), path
-        except IsADirectoryError:
-            raise ValueError(f"{what} {path}: a folder; expected a file") from None
+            data, name = sys.stdin.buffer.read(PROMPT_FILE_LIMIT + 1), "stdin"
+        except OSError as e:  # closed (`<&-`, ddtree.streams) or unreadable
+            raise ValueError(f"{what} -: cannot read stdin: {e.strerror or e}") from None
+        if len(data) > PROMPT_FILE_LIMIT:
+            raise ValueError(f"{what} -: stdin holds more than {PROMPT_FILE_LIMIT:,} bytes")
+    else:
+        try:  # a regular file only, checked before it is opened (a FIFO would block, a
+            # device such as /dev/zero never ends), and never more than the limit read
+            data, name = read_input_bytes(path, "a regular text file", PROMPT_FILE_LIMIT), path
+        except FileNotFoundError:
+            raise ValueError(f"{what} {path}: No such file or directory") from None
+        except OSError as e:
+            raise ValueError(f"{what} {path}: {e.strerror or e}") from None
     text = decode_text(data, f"{what} {name}")
     if not text:
         raise ValueError(f"{what} {name}: empty; expected a prompt")

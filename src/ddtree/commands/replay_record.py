@@ -37,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--out", type=output_file, help="trace file (default runs/trace-<time>.safetensors)"
     )
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the --out file when it exists (without it an existing file is refused: "
+        "a trace, or anything else, is not silently overwritten)",
+    )
+    p.add_argument(
         "--compare-ar",
         action="store_true",
         help="then time the engine's AR generation of the same prompts, side by side",
@@ -55,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / f"trace-{time.strftime('%Y%m%d-%H%M%S')}.safetensors"
     for path in (out, partial_path(out)):  # now, not after the recording
         check_output_file(path, TRACE_FILE)
+    if out.exists() and not args.force:
+        raise ValueError(
+            f"--out {out}: the file exists; expected a new path (or --force to replace it)"
+        )
     prompts = demo_prompts(args.prompts)
     if args.n_prompts:
         prompts = prompts[: args.n_prompts]

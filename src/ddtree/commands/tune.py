@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from ddtree.commands._args import add_json_argument, int_list, positive_int, seed
+from ddtree.commands._args import add_json_argument, int_list, output_folder, positive_int, seed
 from ddtree.commands.estimate import add_oversubscribe_argument
 
 
@@ -45,7 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=seed, default=0, help="Monte Carlo seed")
     add_json_argument(p)
-    p.add_argument("--report", metavar="DIR", help="write tune.md and tune_tokens_vs_budget.png")
+    p.add_argument(
+        "--report",
+        type=output_folder,
+        metavar="DIR",
+        help="write tune.md and tune_tokens_vs_budget.png",
+    )
     add_oversubscribe_argument(p)
 
 
@@ -249,5 +254,5 @@ def write_report(curves, check, out: Path, anchors=()) -> list[Path]:
                f"{check.predicted_flat}.", ""]  # fmt: skip
     report = out / "tune.md"
     with replace_atomically(report) as partial:
-        partial.write_text("\n".join(md))
+        partial.write_text("\n".join(md), encoding="utf-8")
     return [png, report]

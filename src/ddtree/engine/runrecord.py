@@ -23,7 +23,7 @@ def model_config(info, path: str | Path | None) -> dict[str, Any]:
     out = dataclasses.asdict(info)
     out["eos_token_ids"] = list(out["eos_token_ids"])
     if path is not None and (Path(path) / "config.json").is_file():
-        out["config_json"] = json.loads((Path(path) / "config.json").read_text())
+        out["config_json"] = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     return out
 
 

@@ -4,6 +4,9 @@ A checkpoint directory holds ``config.json`` and either one ``model.safetensors`
 listed by ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``).
 Pickled weights (``*.bin``, ``*.pt``, ``*.pth``) are refused: unpickling runs arbitrary code.
 Every error is a :class:`CheckpointError` that names the file (and the tensor or field).
+Only regular files are read: a named pipe (FIFO), device or socket among a checkpoint's files
+is refused before anything is opened (opening a FIFO named ``model.safetensors`` blocked the
+loader forever, deaf to signals).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+
+from ddtree.files import check_input_file, read_input_bytes
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -31,13 +36,37 @@ def read_config(path: str | Path) -> dict:
     """The ``config.json`` of a checkpoint directory (or the path of the file itself)."""
     path = Path(path)
     file = path if path.suffix == ".json" else path / CONFIG_NAME
-    if not file.is_file():
+    if not file.exists():
         what = "directory does not exist" if not path.exists() else "file not found"
         raise CheckpointError(f"{file}: {what}; expected a checkpoint directory with {CONFIG_NAME}")
+    if path.is_dir():
+        check_checkpoint_files(path)
     config = read_json_file(file, "a JSON object")
     if not isinstance(config, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(config).__name__}")
     return config
+
+
+def check_checkpoint_files(folder: Path) -> None:
+    """Every file in a checkpoint folder is a regular file (or a folder): the loaders and
+    transformers open files by name (weights, config, tokenizer, chat template), and a FIFO
+    or device there would block or never end. Opens nothing."""
+    for entry in sorted(folder.iterdir()):
+        regular_file(entry, "a regular file in a checkpoint folder", folders=True)
+
+
+def regular_file(file: Path, what: str, folders: bool = False) -> Path:
+    """``file`` unless it is a FIFO, device, socket or symlink loop (or a folder, unless
+    ``folders``): a ``CheckpointError`` naming it, before it is opened. A missing file passes
+    (the caller says what is missing)."""
+    if folders and file.is_dir():
+        return file
+    try:
+        return check_input_file(file, what)
+    except FileNotFoundError:
+        return file
+    except OSError as err:
+        raise CheckpointError(f"{file}: {err.strerror or err}") from None
 
 
 def read_json_file(file: Path, what: str):
@@ -45,7 +74,9 @@ def read_json_file(file: Path, what: str):
     for text that is not UTF-8, not JSON, or nested too deeply for the parser (a 100k-deep
     array would otherwise end in a RecursionError)."""
     try:
-        text = file.read_bytes().decode("utf-8")
+        text = read_input_bytes(file, "a regular JSON file").decode("utf-8")
+    except OSError as err:  # a FIFO or device: refused before it is opened
+        raise CheckpointError(f"{file}: {err.strerror or err}") from None
     except UnicodeDecodeError:
         raise CheckpointError(f"{file}: not UTF-8 text; expected {what}") from None
     try:
@@ -155,6 +186,8 @@ def weight_files(path: str | Path) -> list[Path]:
     file) or a ``.safetensors`` file. Refuses pickles; names a missing shard.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        regular_file(path, "a regular .safetensors file")
     if path.is_file():
         if path.suffix in PICKLE_SUFFIXES:
             raise _pickle_error(path)
@@ -164,14 +197,14 @@ def weight_files(path: str | Path) -> list[Path]:
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
     index = path / INDEX_NAME
-    if index.is_file():
+    if index.exists():
         return [path / shard for shard in _read_index(index)]
     single = path / WEIGHTS_NAME
-    if single.is_file():
-        return [single]
+    if single.exists():
+        return [regular_file(single, "a regular .safetensors file")]
     found = sorted(path.glob("*.safetensors"))
     if len(found) == 1:
-        return found
+        return [regular_file(found[0], "a regular .safetensors file")]
     if len(found) > 1:
         raise CheckpointError(
             f"{path}: {len(found)} .safetensors files ({_names([f.name for f in found])}) but "
@@ -301,6 +334,7 @@ def _read_index(index: Path) -> dict[str, list[str]]:
         file = _inside(index, shard)
         if Path(shard).suffix in PICKLE_SUFFIXES:
             raise _pickle_error(file)
+        regular_file(file, "a regular .safetensors file")
         if not file.is_file():
             raise CheckpointError(
                 f"{index}: shard {shard} (holding {_names(names)}) not found at {file}"
@@ -401,7 +435,9 @@ def save_safetensors(path: str | Path, state_dict: dict, config: dict) -> list[s
             out[name] = tensor.clone()
         else:
             ptrs[ptr] = name
-    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (path / CONFIG_NAME).write_text(
+        json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    )
     save_file(out, path / WEIGHTS_NAME, metadata={"format": "pt"})
     return list(out)
 

@@ -55,7 +55,7 @@ class Preset:
         file = PRESET_DIR / f"{name}.json"
         if not file.is_file():
             raise PresetError(f"preset {name!r}: expected one of {', '.join(preset_names())}")
-        data = json.loads(file.read_text())
+        data = json.loads(file.read_text(encoding="utf-8"))
         return cls(data["name"], data["target"], data["drafter"], data["sources"])
 
 
@@ -114,7 +114,7 @@ def available_bytes(device: torch.device) -> int:
     """Memory this process can still allocate on ``device`` (CPU: MemAvailable)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    for line in Path("/proc/meminfo").read_text().splitlines():
+    for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     raise PresetError("cannot tell the memory available: no MemAvailable in /proc/meminfo")

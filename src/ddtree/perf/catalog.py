@@ -317,7 +317,7 @@ class Host:
 
 def load_hosts() -> dict[str, Host]:
     """The host CPU classes (``data/hosts.toml``)."""
-    text = resources.files("ddtree.perf").joinpath("data/hosts.toml").read_text()
+    text = resources.files("ddtree.perf").joinpath("data/hosts.toml").read_text(encoding="utf-8")
     where = "ddtree/perf/data/hosts.toml"
     out = {}
     for key, e in tomllib.loads(text).items():
@@ -368,7 +368,7 @@ def link_from_dict(key: str, entry: dict[str, Any], where: str, default_kind: st
 
 def load_links() -> dict[str, Link]:
     """The built-in inter-node links (``data/links.toml``), keyed ``ib-ndr``, ``ib-xdr``, ..."""
-    text = resources.files("ddtree.perf").joinpath("data/links.toml").read_text()
+    text = resources.files("ddtree.perf").joinpath("data/links.toml").read_text(encoding="utf-8")
     where = "ddtree/perf/data/links.toml"
     return {k: link_from_dict(k, e, where) for k, e in tomllib.loads(text).items()}
 
@@ -405,7 +405,7 @@ def match_gpu(device_name: str, catalog: dict[str, Hardware] | None = None) -> H
 
 def load_catalog() -> dict[str, Hardware]:
     """The built-in catalog, keyed by short name (``b300``, ``rtx-pro-6000``, ...)."""
-    text = resources.files("ddtree.perf").joinpath("data/hardware.toml").read_text()
+    text = resources.files("ddtree.perf").joinpath("data/hardware.toml").read_text("utf-8")
     return catalog_from_toml(text, "ddtree/perf/data/hardware.toml")
 
 

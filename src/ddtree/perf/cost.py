@@ -53,7 +53,7 @@ from ddtree.vocab import AR, DEFAULT_POLICY, Drafting, Policy, Stage, get_policy
 
 
 def _load_kernels() -> dict[str, float]:
-    text = resources.files("ddtree.perf").joinpath("data/kernels.toml").read_text()
+    text = resources.files("ddtree.perf").joinpath("data/kernels.toml").read_text(encoding="utf-8")
     return dict(tomllib.loads(text)["kernels"])
 
 

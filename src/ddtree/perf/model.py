@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ddtree.files import read_input_bytes
+
 # bytes per parameter, scales included
 PRECISION_BYTES: dict[str, float] = {
     "fp32": 4.0,
@@ -829,16 +831,22 @@ def read_config(path: Path, where: str | None = None) -> dict[str, Any]:
     """A config.json, with modelopt's ``hf_quant_config.json`` beside it folded in as its
     ``quantization_config`` (NVIDIA's NVFP4 / FP8 checkpoints ship their scheme there)."""
     where = where or str(path)
-    try:
-        cfg = json.loads(path.read_text())
+    try:  # a regular file only, checked before it is opened (a FIFO would block)
+        cfg = json.loads(read_input_bytes(path, "a config.json file").decode("utf-8"))
+    except OSError as exc:
+        raise ModelError(f"{where}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ModelError(f"{where}: not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise ModelError(f"{where}: not JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ModelError(f"{where}: JSON nested too deeply") from None
     if not isinstance(cfg, dict):
         raise ModelError(f"{where}: expected a JSON object")
     for side in (path.parent / "hf_quant_config.json",
                  path.with_name(path.name.removesuffix(".json") + ".hf_quant_config.json")):  # fmt: skip
         if side.is_file() and side != path and not cfg.get("quantization_config"):
-            hq = json.loads(side.read_text())
+            hq = json.loads(side.read_text(encoding="utf-8"))
             q = hq.get("quantization") if isinstance(hq, dict) else None
             if not isinstance(q, dict):
                 raise ModelError(f"{side}: expected a 'quantization' table (modelopt)")
@@ -904,7 +912,7 @@ def load_model(spec: dict[str, Any], where: str, base_dir: Path | None = None) -
             path = base_dir / path
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
+        if not path.exists():
             raise ModelError(f"{where}: model.config: no such file {path}")
         cfg = read_config(path, f"{where}: model.config {path}")
         shape = shape_from_config(cfg, name=path.parent.name, where=str(path))

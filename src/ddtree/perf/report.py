@@ -598,7 +598,7 @@ def write_report(
     md += ["## Chain of reasoning", "", "```", explain(est), "```", ""]
     written.append(out / "report.md")
     with replace_atomically(written[-1]) as partial:
-        partial.write_text("\n".join(md))
+        partial.write_text("\n".join(md), encoding="utf-8")
     if on_written is not None:
         on_written(written[-1])
     return written

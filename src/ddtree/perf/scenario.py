@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ddtree.files import read_input_bytes
 from ddtree.perf import units as u
 from ddtree.perf.catalog import (
     CatalogError,
@@ -699,10 +700,14 @@ def load_scenario(
 ) -> ScenarioFile:
     path = Path(path)
     where = str(path)
-    try:
-        data = tomllib.loads(path.read_text())
+    try:  # a regular file only, checked before it is opened (a FIFO would block forever)
+        data = tomllib.loads(read_input_bytes(path, "a TOML scenario file").decode("utf-8"))
     except FileNotFoundError:
         raise ScenarioError(f"{where}: no such scenario file") from None
+    except OSError as exc:
+        raise ScenarioError(f"{where}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"{where}: not valid TOML ({exc})") from None
     try:

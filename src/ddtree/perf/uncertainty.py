@@ -35,7 +35,9 @@ PERCENTILES = (10, 50, 90)
 
 @cache
 def _model_form() -> dict:
-    text = resources.files("ddtree.perf").joinpath("data/model_form.toml").read_text("utf-8")
+    text = (
+        resources.files("ddtree.perf").joinpath("data/model_form.toml").read_text(encoding="utf-8")
+    )
     return tomllib.loads(text)
 
 

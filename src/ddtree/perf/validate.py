@@ -280,7 +280,7 @@ def load_points(folder: str | Path) -> list[ValidationPoint]:
 def _load_file(path: Path) -> list[ValidationPoint]:
     where = str(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"{where}: not valid TOML ({exc})") from None
     check_keys(data, {"source", "defaults", "point", "hardware", "link"}, where)

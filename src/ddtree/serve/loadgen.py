@@ -179,15 +179,16 @@ def server_process(args: list[str], stderr: Path, env: dict | None = None, timeo
     import signal
 
     argv = [sys.executable, "-m", "ddtree", "serve", "--port", "0", *args]
-    with stderr.open("w") as err:
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    with stderr.open("w", encoding="utf-8") as err:
+        process = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=err, env=env, encoding="utf-8", errors="replace"
+        )
     try:
         line = _first_line(process, timeout_s)
         if not line.startswith(URL_LINE):
             process.kill()
-            raise RuntimeError(
-                f"ddtree serve did not start (see its log below):\n{stderr.read_text()}"
-            )
+            log = stderr.read_text(encoding="utf-8", errors="replace")
+            raise RuntimeError(f"ddtree serve did not start (see its log below):\n{log}")
         yield ServerProcess(line.split()[2].removesuffix("/v1"), process)
     finally:
         if process.poll() is None:

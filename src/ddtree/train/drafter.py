@@ -254,7 +254,7 @@ def train_drafter(
         "mean_tau": mean_tau,
     }
     with replace_atomically(out / "train_meta.json") as partial:
-        partial.write_text(json.dumps(meta, indent=1) + "\n")
+        partial.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     return DrafterTrainResult(out, state.step, state.losses, state.elapsed_s, n_params, mean_tau)
 
 

@@ -47,5 +47,7 @@ def text_prompts(
 def write_prompts(path: str | Path, n: int = 16, lines: int = 6, seed: int = 0) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(heldout_text_prompts(n, lines, seed), indent=1) + "\n")
+    path.write_text(
+        json.dumps(heldout_text_prompts(n, lines, seed), indent=1) + "\n", encoding="utf-8"
+    )
     return path

@@ -66,13 +66,14 @@ def save_checkpoint(
     ):  # renamed in reverse: model, optimizer, then state.json
         write_safetensors(tensors, model_file)
         write_safetensors(moments, optimizer_file)
-        meta_file.write_text(json.dumps(meta, indent=1) + "\n")
+        meta_file.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
 
 def checkpoint_step(out: Path) -> int | None:
     """The step of ``<out>/checkpoint``, None without a readable one."""
     try:
-        return int(json.loads((Path(out) / CHECKPOINT_DIR / "state.json").read_text())["step"])
+        state_file = Path(out) / CHECKPOINT_DIR / "state.json"
+        return int(json.loads(state_file.read_text(encoding="utf-8"))["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -102,7 +103,7 @@ def check_checkpoint(out: Path) -> dict:
     if not meta_file.is_file():
         raise CheckpointError(f"{meta_file}: no checkpoint to resume from (no such file)")
     try:
-        meta = json.loads(meta_file.read_text())
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{meta_file}: not JSON ({err}); expected a JSON object") from None
     if not isinstance(meta, dict):

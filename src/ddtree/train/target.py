@@ -207,5 +207,5 @@ def export_target(model, out: Path, meta: dict) -> None:
     export.config.architectures = ["DeepseekV3ForCausalLM"]
     with staging_folder(out) as stage:  # all files in place together, or none of the new
         export.save_pretrained(str(stage))
-        (stage / "train_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        (stage / "train_meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
         publish(stage, Path(out))

@@ -47,7 +47,7 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
         "clean_up_tokenization_spaces": False,
     }
     with replace_atomically(out / "tokenizer_config.json") as partial:
-        partial.write_text(json.dumps(config, indent=2) + "\n")
+        partial.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
