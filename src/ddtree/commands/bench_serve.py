@@ -20,7 +20,9 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -115,6 +117,24 @@ def _direct_pass(models, prompts: list[str], configs: list) -> DirectPass:
     return DirectPass(results, time.perf_counter() - t0)
 
 
+def _serving(args, prefix: str):
+    """(an ExitStack, the server context) for ``--url`` (nothing started: its context yields
+    None) or a ``ddtree serve`` started here, its log in a temporary folder that lives while it
+    runs (a start that fails quotes it in the error)."""
+    from ddtree.serve.loadgen import server_process
+
+    stack = ExitStack()
+    if args.url:
+        return stack, nullcontext(None)
+    print("starting ddtree serve ...", file=sys.stderr, flush=True)
+    logs = stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix))
+    return stack, server_process(_server_args(args), Path(logs) / "serve.log")
+
+
+def _base_url(args, server) -> str:
+    return f"{args.url.rstrip('/')}/v1" if args.url else server.base_url
+
+
 def _server_args(args: argparse.Namespace) -> list[str]:
     """This command's model and decode options, for the ``ddtree serve`` it starts."""
     out = ["--impl", args.impl, "--dtype", args.dtype, "--device", args.device]
@@ -160,10 +180,8 @@ def _ms(p: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
-    from contextlib import ExitStack, nullcontext
 
-    from ddtree.serve.loadgen import LoadClient, server_process
+    from ddtree.serve.loadgen import LoadClient
     from ddtree.vocab import get_policy
 
     if args.flood:
@@ -188,16 +206,9 @@ def run(args: argparse.Namespace) -> int:
     need_drafter = get_policy(args.policy).needs_drafter
     models = load_models(args, need_drafter=need_drafter, engine_modes=(args.engine_mode,))
     _direct_pass(models, prompts[:1], configs[:1])  # warm-up (compiles in compiled mode)
-    stack = ExitStack()
-    if args.url:
-        starting = nullcontext(None)
-    else:
-        print("starting ddtree serve ...", file=log, flush=True)
-        # its log lives while it runs; a start that fails quotes it in the error
-        logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="ddtree-bench-serve-"))
-        starting = server_process(_server_args(args), Path(logs) / "serve.log")
+    stack, starting = _serving(args, "ddtree-bench-serve-")
     with stack, starting as server:
-        base_url = f"{args.url.rstrip('/')}/v1" if args.url else server.base_url
+        base_url = _base_url(args, server)
         api_key = args.api_key if args.url else None
         model = _model_id(base_url, api_key)
         bodies = [
@@ -304,25 +315,15 @@ def _flood_run(args: argparse.Namespace) -> int:
     server must refuse (too long for the context), in turns within one run, so load drift
     hits both alike. The server's own step time (its ``ddtree`` extension) is compared."""
     import statistics
-    import tempfile
     import threading
-    from contextlib import ExitStack, nullcontext
 
     import httpx
 
-    from ddtree.serve.loadgen import server_process
-
     log = sys.stderr
-    stack = ExitStack()
-    if args.url:
-        starting = nullcontext(None)
-    else:
-        print("starting ddtree serve ...", file=log, flush=True)
-        logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="ddtree-bench-flood-"))
-        starting = server_process(_server_args(args), Path(logs) / "serve.log")
+    stack, starting = _serving(args, "ddtree-bench-flood-")
     prompt = demo_prompts(args.prompts)[0]
     with stack, starting as server:
-        base_url = f"{args.url.rstrip('/')}/v1" if args.url else server.base_url
+        base_url = _base_url(args, server)
         api_key = args.api_key if args.url else None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         model = _model_id(base_url, api_key)

@@ -120,6 +120,15 @@ not say (a projection for no stack in particular), "other" for one without a pro
 (MLC, ExLlama, TGI, LMDeploy, a paper's own harness)."""
 
 
+STACK_SCALES = {
+    "host": "multiplier on the engine mode's per-step host overhead (hierarchical: the mode's "
+    "value is shared, each serving stack scales it)",
+    "spec": "multiplier on the speculative costs (spec_step_overhead, draft_step_overhead, "
+    "draft_forward_overhead): how lean its speculative path is",
+}
+"""A serving stack's multipliers (``stack_<what>.<stack>``, read by ``stack_scale``)."""
+
+
 def engine_param(engine: str, what: str) -> str:
     return f"{engine}.{what}"
 
@@ -161,20 +170,8 @@ BASE_PARAMS: dict[str, ParamSpec] = {
             "but once per step)",
         ),
         *(
-            ParamSpec(
-                f"stack_host.{s}", 1.0, 1 / 3, 3.0, "", True,
-                f"{s}: multiplier on the engine mode's per-step host overhead (hierarchical: "
-                "the mode's value is shared, each serving stack scales it)",
-            )
-            for s in STACKS
-            if s != "any"
-        ),
-        *(
-            ParamSpec(
-                f"stack_spec.{s}", 1.0, 1 / 3, 3.0, "", True,
-                f"{s}: multiplier on the speculative costs (spec_step_overhead, "
-                "draft_step_overhead, draft_forward_overhead): how lean its speculative path is",
-            )
+            ParamSpec(f"stack_{what}.{s}", 1.0, 1 / 3, 3.0, "", True, f"{s}: {about}")
+            for what, about in STACK_SCALES.items()
             for s in STACKS
             if s != "any"
         ),

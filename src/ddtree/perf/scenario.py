@@ -264,6 +264,17 @@ _DEPLOY = {"tp", "concurrency", "context", "engine", "policy", "parallel", "gpus
 _PARAM_DIMS = {"": u.NUMBER, "s": u.TIME}
 
 
+def unknown_parameter(name: str, specs: dict, where: str) -> ScenarioError:
+    """The one-line error for a parameter the cost model does not have: the known names of its
+    family (``stack_host.``, ``layer_floor.``, ...), at most 12, or the first 12 of all."""
+    close = [n for n in specs if n.split(".")[0] == name.split(".")[0]] or list(specs)
+    more = f", ... ({len(close)} in all)" if len(close) > 12 else ""
+    return ScenarioError(
+        f"{where}: unknown parameter; known: {', '.join(close[:12])}{more} "
+        "(estimate --explain lists every one)"
+    )
+
+
 def _positive(raw: Any, dim: u.Dim, where: str) -> float:
     """A quantity that must be finite and > 0 (a rate, a time)."""
     value = u.parse_quantity(raw, dim, where)
@@ -769,13 +780,7 @@ def _parse(
     for name, raw in (data.get("parameters") or {}).items():
         w = f"{where}: parameters.{name}"
         if name not in specs:
-            close = [n for n in specs if n.split(".")[0] == name.split(".")[0]] or list(specs)
-            shown = ", ".join(close[:12]) + (
-                f", ... ({len(close)} in all)" if len(close) > 12 else ""
-            )
-            raise ScenarioError(
-                f"{w}: unknown parameter; known: {shown} (estimate --explain lists every one)"
-            )
+            raise unknown_parameter(name, specs, w)
         pinned, specs[name] = _param_entry(name, raw, specs[name], w)
         if pinned is not None:
             fixed[name] = pinned
@@ -968,7 +973,7 @@ def _case(
     overrides: dict[str, Value] = {}
     for pname, raw in table(s.get("parameters", {}), f"{w}.parameters").items():
         if pname not in specs:
-            raise ScenarioError(f"{w}.parameters.{pname}: unknown; known: {', '.join(specs)}")
+            raise unknown_parameter(pname, specs, f"{w}.parameters.{pname}")
         v = _value(raw, _PARAM_DIMS[specs[pname].unit], f"{w}.parameters.{pname}")
         if (v.low if isinstance(v, Range) else v) <= 0:
             raise ScenarioError(f"{w}.parameters.{pname}: must be positive, got {raw!r}")
