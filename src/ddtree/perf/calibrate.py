@@ -296,7 +296,7 @@ def _log_weights(cal: Calibration, draws: np.ndarray, mean: np.ndarray, cov: np.
     chi2_a = sum(r**2 for r in _log_residuals(cal.anchors, params)) / cal.misfit_scale
     chi2_p = (((draws - cal.prior_mean_log) / cal.prior_sd_log) ** 2).sum(axis=1)
     d = draws - mean
-    chi2_q = np.einsum("ni,ij,nj->n", d, np.linalg.pinv(cov), d)
+    chi2_q = ((d @ np.linalg.pinv(cov)) * d).sum(axis=1)  # d_n^T cov^-1 d_n, one GEMM
     return -0.5 * (chi2_a + chi2_p - chi2_q), params
 
 
