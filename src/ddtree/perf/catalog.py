@@ -41,7 +41,9 @@ _WEIGHT_NATIVE: dict[str, str | None] = {
     "int8": "int8",
     "fp8": "fp8",
     "fp8-block128": "fp8",
+    "int4": None,  # per-channel
     "int4-g32": None,
+    "int4-g64": None,
     "int4-g128": None,
     "fp4": "fp4",  # nvfp4
     "nvfp4": "fp4",

@@ -107,11 +107,7 @@ def kernel_path(hw: Hardware, fmt: str) -> str:
     if bits >= 2.0:
         return "16bit"
     width = "8bit" if bits >= 1.0 else "4bit"
-    try:
-        native = hw.native(fmt)
-    except ValueError:  # a format the catalog does not list (int4 variants): weight-only
-        native = False
-    return f"{'native' if native else 'dequant'}-{width}"
+    return f"{'native' if hw.native(fmt) else 'dequant'}-{width}"
 
 
 STACKS = ("any", "sglang", "vllm", "trtllm", "transformers", "llamacpp", "ddtree", "other")
@@ -756,7 +752,7 @@ def memory_efficiency(params: dict, efficiency: str, hw: Hardware, fmt: str = "b
     ``path_efficiency.<kernel_path>``, at most ``MAX_MEMORY_EFFICIENCY``. A GPU without a
     generation (a typed-in table, this machine's CPU) and 16-bit weights take multiplier 1."""
     eff = param_for(params, efficiency, hw)
-    if "@" in efficiency or f"{efficiency}@{hw.key}" in params:
+    if f"{efficiency}@{hw.key}" in params:
         return eff  # a device class fitted on its own (this machine's CPU records)
     gen = getattr(hw, "generation", "")
     if gen:

@@ -47,7 +47,9 @@ def model_form_sigma(kind: str = "ar") -> float:
     return float(_model_form()["sigma"][kind])
 
 
-def _kind(point) -> str:
+def model_form_kind(point) -> str:
+    """'speculative' or 'ar': the model-form error is fitted for each apart (a speculative
+    step adds costs an AR step has not, so the model's error there is its own)."""
     return "speculative" if point.policy.needs_drafter else "ar"
 
 
@@ -64,7 +66,7 @@ def case_model_form(model: ModelShape, case: ScenarioCase, cal: Calibration) -> 
     here = [misses[a.name] for a in cal.anchors if hasattr(a, "point")
             and a.model.name == model.name and _setup(a.point) == _setup(case.point)
             and a.name in misses]  # fmt: skip
-    sigma = model_form_sigma(_kind(case.point))
+    sigma = model_form_sigma(model_form_kind(case.point))
     if not here:
         return sigma
     return float(min(sigma, np.sqrt(np.mean(np.square(here)))))
@@ -147,7 +149,7 @@ def run_case(
         ar = case.point.concurrency / np.broadcast_to(np.asarray(ar_step, dtype=float), (n,))
         # the speedup's own model-form error (fitted on AR-paired speculative points), shrunk
         # as the case's is on a setup its anchors ran on
-        full = model_form_sigma(_kind(case.point))
+        full = model_form_sigma(model_form_kind(case.point))
         rel = model_form_sigma("speedup") * (sigma / full if full > 0 else 0.0)
         ratio = np.exp(np.random.default_rng(seed + 2).normal(0.0, rel, n))  # [n]
         speedup, ar_tps = _percentiles(tps * form / ar * ratio), _percentiles(ar / form)

@@ -61,6 +61,7 @@ from ddtree.perf.scenario import (
     link_tables,
     step_anchor,
 )
+from ddtree.perf.uncertainty import model_form_kind
 
 EXPLAIN_ABOVE = 0.30  # a point off by more than this must carry a note
 BUNDLED = Path(__file__).parent / "data" / "validation"
@@ -76,16 +77,6 @@ def split_of(source_key: str) -> str:
     'seed' -> 0x0f7e... -> 0.06 -> test."""
     digest = hashlib.sha256(source_key.encode("utf-8")).hexdigest()
     return "test" if int(digest[:8], 16) / 16**8 < TEST_FRACTION else "train"
-
-
-def frozen_test_sources(folder: str | Path) -> list[str]:
-    """The test sources written down in the folder's ``test_split.txt`` (one key a line, #
-    comments), the record the split was frozen in; [] when the folder has none."""
-    path = Path(folder) / SPLIT_FILE
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [x.strip() for x in lines if x.strip() and not x.lstrip().startswith("#")]
 
 
 BANDS = ((10, 90), (25, 75))  # the central bands whose coverage is reported
@@ -405,9 +396,7 @@ def _fit_held(held: list[_Held]) -> float:
 
 
 def kind_of(p: ValidationPoint) -> str:
-    """'speculative' or 'ar': the model-form error is fitted for each apart (a speculative
-    step adds costs an AR step has not, so the model's error there is its own)."""
-    return "speculative" if p.anchor.point.policy.needs_drafter else "ar"
+    return model_form_kind(p.anchor.point)
 
 
 def _predict_source(points, train, specs, samples, seed, start) -> list[_Held]:
@@ -476,8 +465,10 @@ def validate(points: list[ValidationPoint], samples: int = 2000, seed: int = 0) 
         key, kind = h.point.source.key, kind_of(h.point)
         same = [x for x in held if x.point.source.key != key and kind_of(x.point) == kind]
         rows.append(_row(h, _fit_held(same) if same else 0.0, "train", rng, pcts))
-    sigma = {k: _fit_held([h for h in held if kind_of(h.point) == k]) if any(
-        kind_of(h.point) == k for h in held) else 0.0 for k in kinds}  # fmt: skip
+    sigma = {}
+    for k in kinds:
+        of_kind = [h for h in held if kind_of(h.point) == k]
+        sigma[k] = _fit_held(of_kind) if of_kind else 0.0
     train_pairs = pairs(rows)
     sigma["speedup"] = fit_model_form(
         [np.log(x.predicted_speedup / x.measured_speedup) for x in train_pairs],

@@ -1,0 +1,96 @@
+"""The serving-engine cost structure of issue 27: kernel paths, efficiency by generation and
+path, the per-layer floor, the speculative host costs and the stack multipliers."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from ddtree.perf.catalog import load_catalog
+from ddtree.perf.cost import (
+    MAX_MEMORY_EFFICIENCY,
+    Drafter,
+    Point,
+    default_params,
+    kernel_path,
+    memory_efficiency,
+    params_at,
+    step_cost,
+)
+from ddtree.perf.model import PRESETS
+from ddtree.vocab import POLICIES, Stage
+
+CAT = load_catalog()
+P = params_at(default_params())
+LLAMA = PRESETS["llama-3.1-8b"]
+EAGLE = Drafter(params=0.3e9, layers=1, lm_head_vocab=32000, shares_target_lm_head=False)
+
+
+def _point(hw="h100-sxm", policy="ar", stack="any", **kw) -> Point:
+    pol = POLICIES[policy]
+    if policy == "ar":
+        return Point(CAT[hw], 1, 1, 1000.0, 1, 0, "graphs", None, policy=pol, stack=stack, **kw)
+    # an EAGLE chain of 4 draft steps (B = 5, N = 4)
+    return Point(CAT[hw], 1, 1, 1000.0, 5, 4, "graphs", EAGLE, policy=pol, stack=stack, **kw)
+
+
+def test_kernel_path_worked_examples():
+    assert kernel_path(CAT["a100-sxm-80gb"], "fp8") == "dequant-8bit"
+    assert kernel_path(CAT["h100-sxm"], "fp8-block128") == "native-8bit"
+    assert kernel_path(CAT["h100-sxm"], "mxfp4") == "dequant-4bit"
+    assert kernel_path(CAT["b200"], "fp4") == "native-4bit"
+    assert kernel_path(CAT["b200"], "int4-g64") == "dequant-4bit"  # weight-only: never native
+    assert kernel_path(CAT["b200"], "bf16") == "16bit"
+
+
+def test_memory_efficiency_is_component_x_generation_x_path_capped():
+    hw = CAT["h100-sxm"]
+    p = {**P, "weights_efficiency": 0.6, "gen_efficiency.hopper": 1.2,
+         "path_efficiency.native-8bit": 0.5}  # fmt: skip
+    assert memory_efficiency(p, "weights_efficiency", hw, "bf16") == pytest.approx(0.72)
+    assert memory_efficiency(p, "weights_efficiency", hw, "fp8") == pytest.approx(0.36)
+    # another generation's multiplier does not apply
+    assert memory_efficiency(p, "weights_efficiency", CAT["a100-sxm-80gb"], "bf16") == 0.6
+    hot = {**p, "gen_efficiency.hopper": 1.5, "weights_efficiency": 0.9}
+    assert memory_efficiency(hot, "weights_efficiency", hw, "bf16") == MAX_MEMORY_EFFICIENCY
+
+
+def test_the_layer_floor_binds_a_small_forward_only():
+    tiny = PRESETS["qwen3-0.6b"]
+    for model, binds in ((tiny, True), (PRESETS["llama-3.1-70b"], False)):
+        p = {**P, "layer_floor.hopper": 60e-6}
+        cost = step_cost(model, _point(), p, 1.0)
+        floor = cost.find("per-layer kernel floor")
+        device = sum(c.seconds for c in cost.components
+                     if c.stage is Stage.VERIFY and c.bound.value in ("memory", "compute"))  # fmt: skip
+        assert float(floor.seconds) == pytest.approx(max(0.0, model.num_layers * 60e-6 - device))
+        assert (float(floor.seconds) > 0) == binds
+
+
+def test_speculative_host_costs_scale_with_draft_steps_and_the_stack():
+    ar = step_cost(LLAMA, _point(), P, 1.0)
+    assert (
+        ar.find("spec step overhead") is None
+        and ar.find("4 draft steps: draft step overhead") is None
+    )
+    base = step_cost(LLAMA, _point(policy="eagle", draft_topk=1), P, 3.0)
+    glue = base.find("4 draft steps: draft step overhead")
+    host = P["host_speed.xeon-8480c"] if "host_speed.xeon-8480c" in P else 1.0
+    assert float(glue.seconds) == pytest.approx(4 * P["draft_step_overhead"] / host)
+    assert float(base.find("spec step overhead").seconds) == pytest.approx(
+        P["spec_step_overhead"] / host)  # fmt: skip
+    lean = {**P, "stack_spec.vllm": 0.5, "stack_host.vllm": 2.0}
+    vllm = step_cost(LLAMA, _point(policy="eagle", stack="vllm", draft_topk=1), lean, 3.0)
+    assert float(vllm.find("4 draft steps: draft step overhead").seconds) == pytest.approx(
+        0.5 * float(glue.seconds))  # fmt: skip
+    assert float(vllm.find("framework overhead").seconds) == pytest.approx(
+        2.0 * float(base.find("framework overhead").seconds))  # fmt: skip
+
+
+def test_a_device_without_a_generation_pays_no_serving_engine_costs():
+    cpu = replace(CAT["h100-sxm"], key="cpu", generation="")
+    cost = step_cost(LLAMA, replace(_point(policy="eagle", draft_topk=1), hardware=cpu), P, 3.0)
+    names = {c.name for c in cost.components}
+    assert not {"spec step overhead", "per-layer kernel floor"} & names
+    assert not any("draft step overhead" in n for n in names)
+    assert np.isfinite(float(cost.step_s))
