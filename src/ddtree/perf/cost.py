@@ -166,14 +166,14 @@ BASE_PARAMS: dict[str, ParamSpec] = {
             "but once per step)",
         ),
         *(
-            ParamSpec(f"stack_{what}.{s}", 1.0, 1 / 3, 3.0, "", True, f"{s}: {about}")
+            ParamSpec(f"stack_{what}.{s}", 1.0, 0.5, 2.0, "", True, f"{s}: {about}")
             for what, about in STACK_SCALES.items()
             for s in STACKS
             if s != "any"
         ),
         *(
             ParamSpec(
-                f"gen_efficiency.{g}", 1.0, 0.6, 1.5, "", True,
+                f"gen_efficiency.{g}", 1.0, 0.75, 1.33, "", True,
                 f"{g} GPUs: multiplier on the memory efficiencies (their kernels' share of "
                 "peak bandwidth differs by generation and vendor)",
             )
@@ -189,7 +189,7 @@ BASE_PARAMS: dict[str, ParamSpec] = {
         ),
         *(
             ParamSpec(
-                f"layer_floor.{g}", 4e-6, 1e-6, 40e-6, "s", True,
+                f"layer_floor.{g}", 4e-6, 2e-6, 10e-6, "s", True,
                 f"{g} GPUs: the least device time one layer of a target forward takes at small "
                 "batch (kernel tails, synchronisation between a layer's kernels) whatever its "
                 "bytes; a forward is max(its device time, layers x floor) (prior: a few us per "
