@@ -27,9 +27,8 @@ from ddtree.files import read_input_bytes
 from ddtree.utf8 import check_text, decode_text
 from ddtree.vocab import (
     DEFAULT_POLICY,
-    MIN_TEMPERATURE,
-    MIN_TOP_P,
     POLICIES,
+    SAMPLING_FLOORS,
     Drafting,
     EngineMode,
     policies_help,
@@ -102,23 +101,23 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def temperature(text: str) -> float:
-    """An argparse type: 0 (greedy) or a finite temperature >= ``MIN_TEMPERATURE``."""
+    """An argparse type: 0 (greedy) or a finite temperature above its float32 floor."""
     value = non_negative_float(text)
-    if 0 < value < MIN_TEMPERATURE:
+    floor = SAMPLING_FLOORS["temperature"]
+    if floor.refuses(value):
         raise argparse.ArgumentTypeError(
-            f"expected 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {text!r} "
-            "(smaller ones overflow float32 logits / temperature into NaN)"
+            f"expected 0 (greedy) or a finite number >= {floor.least:g}, got {text!r} ({floor.why})"
         )
     return value
 
 
 def top_p(text: str) -> float:
-    """An argparse type: a probability in (0, 1] that float32 holds (>= ``MIN_TOP_P``)."""
+    """An argparse type: a probability in (0, 1] that float32 holds (its floor)."""
     value = probability(text)
-    if value < MIN_TOP_P:
+    floor = SAMPLING_FLOORS["top_p"]
+    if floor.refuses(value):
         raise argparse.ArgumentTypeError(
-            f"expected a finite probability in {MIN_TOP_P:g}..1, got {text!r} (smaller ones "
-            "round to 0 in float32 and drop every token)"
+            f"expected a finite probability in {floor.least:g}..1, got {text!r} ({floor.why})"
         )
     return value
 

@@ -42,7 +42,7 @@ from ddtree.models.static import (
     check_engine_mode,
     check_engine_support,
 )
-from ddtree.vocab import DEFAULT_POLICY, MIN_TEMPERATURE, MIN_TOP_P, get_policy
+from ddtree.vocab import DEFAULT_POLICY, check_sampling_floors, get_policy
 
 MAX_BUDGET = 8192
 """Largest budget N: the verify forward's width is M = N + 1 and its additive mask alone is
@@ -89,20 +89,11 @@ class DecodeConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.temperature < math.inf:  # NaN fails too
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(
-                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (smaller ones "
-                f"overflow float32 logits / temperature), got {self.temperature}"
-            )
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_p < MIN_TOP_P:
-            raise ValueError(
-                f"top_p must be >= {MIN_TOP_P:g} (smaller ones round to 0 in float32), "
-                f"got {self.top_p}"
-            )
+        check_sampling_floors(temperature=self.temperature, top_p=self.top_p)
 
     @property
     def greedy(self) -> bool:
