@@ -311,7 +311,7 @@ def summary_tables(points, title: str):
     from rich.table import Table
 
     from ddtree.engine.sweep import speedups
-    from ddtree.vocab import STEP_STAGES, get_policy
+    from ddtree.vocab import STEP_STAGES
 
     ratio = speedups(points)
     head = Table(title=title, caption="vs AR, same as AR: against AR in the same engine mode")
@@ -327,7 +327,7 @@ def summary_tables(points, title: str):
     for i, p in enumerate(points):
         s, c = p.summary, p.config
         same = {None: "-", True: "yes", False: "NO"}[p.identical_to_ar]
-        policy = get_policy(c.policy)
+        policy = c.rules
         block = str(c.block_size) if policy.needs_drafter else "-"
         budget = str(policy.budget(c.block_size, c.budget))
         head.add_row(
@@ -356,12 +356,11 @@ def regime_lines(points) -> list[str]:
     """What a sweep says about the regime, per engine mode with AR and DDTree points: the
     speedup as tau over the step ratio, the verify's cost over one token's, and the tau that
     2x would need (every figure from the points; nothing assumed)."""
-    from ddtree.vocab import get_policy
 
     lines = []
     for mode in dict.fromkeys(p.config.engine_mode for p in points):
         here = [p for p in points if p.config.engine_mode == mode]
-        ar = next((p for p in here if not get_policy(p.config.policy).needs_drafter), None)
+        ar = next((p for p in here if not p.config.rules.needs_drafter), None)
         trees = [p for p in here if p.config.policy == "ddtree"]
         if ar is None or not trees:
             continue
@@ -370,7 +369,7 @@ def regime_lines(points) -> list[str]:
         ratio = d["step_s_mean"] / a["step_s_mean"]
         verify = d["stage_s_mean"]["verify"] / a["stage_s_mean"]["verify"]
         draft = d["stage_s_mean"]["draft"] / a["stage_s_mean"]["verify"]
-        width = get_policy(best.config.policy).budget(best.config.block_size, best.config.budget)
+        width = best.config.tree_budget
         bound = verify < MEMORY_BOUND_VERIFY_RATIO
         regime = (
             "memory-bound: a wide verify is nearly free"

@@ -118,7 +118,6 @@ def run(args: argparse.Namespace) -> int:
 
     from ddtree.serve.app import ServeSettings
     from ddtree.serve.server import bind, serve
-    from ddtree.vocab import get_policy
 
     check_api_key(args.api_key)
     if args.api_key is None and not is_loopback(args.host):
@@ -140,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # a port in use fails now, not after loading
     set_threads(args)
     print(f"loading the models ({threads_label(args)}) ...", file=sys.stderr, flush=True)
-    need_drafter = get_policy(args.policy).needs_drafter
+    need_drafter = settings.defaults.rules.needs_drafter
     models = load_models(args, need_drafter=need_drafter, engine_modes=(args.engine_mode,))
     serve(
         models, settings, sock, args.records, args.device, access_log=args.access_log,

@@ -42,7 +42,7 @@ from ddtree.models.static import (
     check_engine_mode,
     check_engine_support,
 )
-from ddtree.vocab import DEFAULT_POLICY, check_sampling_floors, get_policy
+from ddtree.vocab import DEFAULT_POLICY, Policy, check_sampling_floors, get_policy
 
 MAX_BUDGET = 8192
 """Largest budget N: the verify forward's width is M = N + 1 and its additive mask alone is
@@ -69,9 +69,11 @@ class DecodeConfig:
     engine_mode: str = "eager"  # "eager" | "compiled" (ddtree.models.static)
     buckets: tuple[int, ...] = ()  # compiled verify width buckets; (): the policy's own width
     compile_scope: str = "model"  # compiled: the target's whole forward, or each "layer"
+    # ``policy`` resolved once: every rule that follows from it (``ddtree.vocab.Policy``)
+    rules: Policy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        policy = get_policy(self.policy)
+        self.rules = policy = get_policy(self.policy)
         check_runnable(policy)
         check_engine_mode(self.engine_mode)
         check_compile_scope(self.compile_scope)
@@ -99,11 +101,16 @@ class DecodeConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def tree_budget(self) -> int:
+        """Non-root nodes of a step's tree: the policy's budget at this B and N (0 for ar,
+        B - 1 for chain, N for ddtree)."""
+        return self.rules.budget(self.block_size, self.budget)
+
     def width_buckets(self) -> tuple[int, ...]:
         """Verify widths the compiled graphs are built for: ``buckets``, else the policy's
         width M = its budget + 1 (1 for ar, B for chain, N + 1 for ddtree)."""
-        policy = get_policy(self.policy)
-        return self.buckets or (policy.budget(self.block_size, self.budget) + 1,)
+        return self.buckets or (self.tree_budget + 1,)
 
 
 @dataclass
@@ -135,7 +142,7 @@ def generate(
 ) -> GenerationResult:
     """Decode one request. ``on_commit(tokens)`` is called with each step's new tokens (an
     exception raised there ends the request and propagates)."""
-    policy = get_policy(config.policy)
+    policy = config.rules
     device = torch.device(target.device)
     proposer = proposer_for(policy, drafter, config.block_size, config.budget, device)
     prompt = prompt_tensor(prompt_ids)  # [T] int64
@@ -232,7 +239,7 @@ def prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
 def check_context(target: Target, prompt_len: int, config: DecodeConfig) -> int:
     """Positions a request may reach; refuses (``ContextLengthError``) what does not fit the
     target. ``generate`` calls it before any forward; a server calls it before queueing."""
-    block = get_policy(config.policy).block(config.block_size)
+    block = config.rules.block(config.block_size)
     limit = target.info.max_position
     # the last step verifies up to B tokens after the committed ones
     needed = prompt_len + config.max_new_tokens + block
