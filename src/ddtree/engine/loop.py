@@ -35,7 +35,7 @@ from ddtree.engine.propose import check_runnable, proposer_for
 from ddtree.engine.sample import sampler_for
 from ddtree.engine.stop import StopCondition
 from ddtree.engine.timing import StageClock, StepTimings
-from ddtree.models.base import Drafter, Target
+from ddtree.models.base import Drafter, ModelInfo, Target
 from ddtree.models.static import (
     EnginePlan,
     check_compile_scope,
@@ -240,12 +240,19 @@ def check_context(target: Target, prompt_len: int, config: DecodeConfig) -> int:
     """Positions a request may reach; refuses (``ContextLengthError``) what does not fit the
     target. ``generate`` calls it before any forward; a server calls it before queueing."""
     block = config.rules.block(config.block_size)
-    limit = target.info.max_position
-    # the last step verifies up to B tokens after the committed ones
-    needed = prompt_len + config.max_new_tokens + block
+    return request_positions(target.info, prompt_len, config.max_new_tokens, block)
+
+
+def request_positions(info: ModelInfo, prompt_len: int, max_new_tokens: int, block: int) -> int:
+    """The positions rule of a request (the engine's and a replay recording's): the prompt,
+    ``max_new_tokens`` and, since the last step verifies up to ``block`` tokens after the
+    committed ones, a block more. ``ContextLengthError`` past the target's ``max_position``
+    (0: unbounded)."""
+    needed = prompt_len + max_new_tokens + block
+    limit = info.max_position
     if limit and needed > limit:
         raise ContextLengthError(
-            f"prompt of {prompt_len} tokens + max_new_tokens {config.max_new_tokens} + block "
-            f"{block} needs {needed} positions; {target.info.name} has max_position {limit}"
+            f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} + block "
+            f"{block} needs {needed} positions; {info.name} has max_position {limit}"
         )
     return needed

@@ -25,7 +25,12 @@ from torch import nn
 
 from ddtree.models.attention import AttentionInputs
 from ddtree.models.base import ModelInfo, TargetOutput
-from ddtree.models.layers import check_capture_layers, check_commit, check_finite
+from ddtree.models.layers import (
+    check_capture_layers,
+    check_commit,
+    check_finite,
+    check_positions,
+)
 from ddtree.models.static import (
     ENGINE_MODES,
     KV_CHUNK,
@@ -233,7 +238,7 @@ class CachedTarget:
         bucket's graph in causal chunks (each chunk a chain tree, committed whole)."""
         assert input_ids.dim() == 1, input_ids.shape  # [T] int64
         t, start = int(input_ids.shape[0]), self.seq_len
-        self._check_positions(start + t, f"prompt of {t} tokens after {start} cached")
+        check_positions(self.info, start + t, f"prompt of {t} tokens after {start} cached")
         self._pending = 0
         input_ids = input_ids.to(self.device)
         if self.engine.mode == "eager":
@@ -261,7 +266,7 @@ class CachedTarget:
     def verify(self, tree: DraftTree, layout: TreeInputs | StaticLayout | None = None):
         m, start = tree.n_nodes, self.seq_len
         depth = int(tree.depth.max())
-        self._check_positions(start + depth + 1, f"tree of depth {depth}")
+        check_positions(self.info, start + depth + 1, f"tree of depth {depth}")
         if layout is None:
             layout = self.layout(tree)
         if self.engine.mode == "compiled":
@@ -283,11 +288,6 @@ class CachedTarget:
         self._pending = 0
 
     # --- internals ------------------------------------------------------------------------
-    def _check_positions(self, needed: int, what: str) -> None:
-        limit = self.info.max_position
-        if limit and needed > limit:
-            raise ValueError(f"{what} needs {needed} positions > max_position_embeddings={limit}")
-
     def _eager(self, inputs: TreeInputs) -> TargetOutput:
         """The forward at exact shapes: prefix = the S committed rows, tail = the M new ones."""
         m, start = int(inputs.tokens.shape[0]), self.seq_len
