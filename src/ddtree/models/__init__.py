@@ -202,7 +202,7 @@ def load_drafter(
     check_checkpoint(path, config)
     from ddtree.models.dflash import DFlashDrafter
 
-    return DFlashDrafter.load_checked(path, config, target, dtype=dtype, device=device)
+    return DFlashDrafter.from_pretrained(path, target, dtype=dtype, device=device)
 
 
 __all__ = [

@@ -670,29 +670,14 @@ class DFlashDrafter:
         device: str | torch.device | None = None,
     ) -> DFlashDrafter:
         """Load a z-lab-format directory (config.json + safetensors) for ``target``, whose
-        embedding and LM head it shares. ``dtype``/``device`` None: the target's."""
-        from ddtree.models.checkpoint import read_config
-        from ddtree.models.compat import check_drafter_compat
+        embedding and LM head it shares. ``dtype``/``device`` None: the target's. Its config is
+        not checked against the target here: ``ddtree.models.load_drafter`` checks it first
+        (``ddtree.models.compat.check_drafter_compat``, once per load)."""
+        from ddtree.models.checkpoint import load_safetensors, match_state_dict, read_config
+        from ddtree.models.linear import prepare_linears
 
         path = Path(path)
         raw = read_config(path)
-        check_drafter_compat(raw, target.info, str(path / "config.json"))
-        return cls.load_checked(path, raw, target, dtype, device)
-
-    @classmethod
-    def load_checked(
-        cls,
-        path: Path,
-        raw: dict,
-        target,
-        dtype: torch.dtype | None = None,
-        device: str | torch.device | None = None,
-    ) -> DFlashDrafter:
-        """:meth:`from_pretrained` after its config.json (``raw``) was read and checked
-        against ``target`` (``ddtree.models.compat.check_drafter_compat``)."""
-        from ddtree.models.checkpoint import load_safetensors, match_state_dict
-        from ddtree.models.linear import prepare_linears
-
         config = DFlashConfig.from_dict(raw, str(path / "config.json"))
         dtype = dtype or target.dtype
         device = device or target.device

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ddtree.models.base import ModelInfo, TargetOutput
+from ddtree.models.base import ModelInfo, NonFiniteLogitsError, TargetOutput  # noqa: F401 (its error)
 from ddtree.models.layers import (
     check_capture_layers,
     check_commit,
