@@ -157,8 +157,13 @@ def generate(
     models = [target, drafter] if policy.needs_drafter else [target]
     described = [(f"{m.info.name} ({m.info.implementation})", m.engine_modes) for m in models]
     check_engine_support(config.engine_mode, described)
-    target.set_capture_layers(list(proposer.capture_layers))
-    plan = EnginePlan(config.engine_mode, config.width_buckets(), max_len, config.compile_scope)
+    plan = EnginePlan(
+        config.engine_mode,
+        config.width_buckets(),
+        max_len,
+        config.compile_scope,
+        capture_layers=tuple(proposer.capture_layers),
+    )
     compile_s = target.set_engine_mode(plan)  # resets the cache; EngineModeError if unsupported
     compile_s += proposer.set_engine_mode(plan)
 

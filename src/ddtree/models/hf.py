@@ -217,6 +217,8 @@ class HFTarget:
         transformers' ``DynamicCache`` grows by concatenation every forward and the tree commit
         re-slices it, so every step would have new shapes for a compiled graph (and its
         ``StaticCache`` cannot keep a non-suffix subset of the rows)."""
+        if plan.capture_layers is not None:
+            self.set_capture_layers(list(plan.capture_layers))
         self.reset()
         self._layouts.reserve(plan)
         return 0.0
