@@ -504,7 +504,8 @@ class DFlashDrafter:
         self._seen_t = torch.zeros((), dtype=torch.int64, device=self.device)
         self._block_start = torch.zeros((), dtype=torch.int64, device=self.device)
         self.engine = EnginePlan()
-        self._compiled = None
+        self._runner: EagerDraftStep | CompiledDraftStep = EagerDraftStep(self)
+        self._graphs: CompiledDraftStep | None = None  # kept across plans: compiles once
         self.seen = 0  # committed tokens whose context keys/values are cached
 
     def reset(self) -> None:
@@ -512,19 +513,22 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def set_engine_mode(self, plan: EnginePlan) -> float:
-        """Eager or compiled proposes for the next requests (the target's widths do not
-        matter: a propose always has B block rows and at most B new context rows). Compiled
-        mode compiles its one graph the first time; returns the seconds that took."""
+        """Eager or compiled proposes for the next requests: picks the step runner of
+        ``plan.mode`` once (the target's widths do not matter: a propose always has B block
+        rows and at most B new context rows). Compiled mode compiles its one graph the first
+        time; returns the seconds that took."""
         self.engine = plan
         self.reset()
         if plan.mode == "eager":
+            self._runner = EagerDraftStep(self)
             return 0.0
         self._ensure(kv_bucket(plan.max_len + 2 * self.block_size))
-        if self._compiled is not None:
-            return 0.0
-        self._compiled = CompiledForward(_draft_step, self.device)
-        compile_s = self._compiled.warm_up(lambda: self._step(self._context[0, :1], 0))
-        self.reset()
+        compile_s = 0.0
+        if self._graphs is None:
+            self._graphs = CompiledDraftStep(self)
+            compile_s = self._graphs.warm_up()
+            self.reset()
+        self._runner = self._graphs
         return compile_s
 
     @torch.inference_mode()
@@ -603,35 +607,27 @@ class DFlashDrafter:
         return logits
 
     def _step(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
-        """One propose, eager or compiled: one input pipeline and one forward
-        (:func:`_draft_step`). Compiled mode only pads: the new context to B rows (a longer
-        one, the prompt, appended first), the keys to a whole bucket, hiding what is padded."""
-        b, static = self.block_size, self.engine.mode == "compiled"
-        if static and context_hidden.shape[0] > b:
-            head = context_hidden[:-b]
-            self._ensure(self.seen + head.shape[0])
-            self._seen_t.fill_(self.seen)
-            _append_context(self.model, head[None], self._seen_t, self._k, self._v)
-            self.seen += int(head.shape[0])
-            context_hidden = context_hidden[-b:]
-        t_new = int(context_hidden.shape[0])
-        end = self.seen + t_new
-        keys = kv_bucket(end + b) if static else end + b
-        self._ensure(keys)
-        context = context_hidden[None]  # [1, T_new, F]
-        if static:
-            self._context[0, :t_new] = context_hidden
-            self._context[0, t_new:] = 0
-            context = self._context  # [1, B, F]
-            cache_input(self._k, capacity_dim=1)
-            cache_input(self._v, capacity_dim=1)
+        """One propose through the runner the engine mode picked (one input pipeline and one
+        forward, :func:`_draft_step`, for both)."""
+        return self._runner.step(context_hidden, root_token)
+
+    def run_forward(
+        self,
+        forward,
+        context: torch.Tensor,  # [1, T, F] new context rows
+        end: int,  # seen + the real new rows: the root's slot
+        keys: int,  # slots attended over
+        root_token: int,
+        masked: bool,  # keys past the block hidden (padded inputs)
+    ) -> torch.Tensor:
+        """Fill the step's inputs, call ``forward`` (:func:`_draft_step`, eager or compiled)
+        and count the new rows as seen. Returns logits [B-1, V]."""
         self._seen_t.fill_(self.seen)
         self._block_start.fill_(end)
         self._block[0, 0] = root_token
         key_positions = self._key_positions(keys)
-        forward = _draft_step
-        if static:
-            key_positions, forward = mark_key_dim(key_positions), self._compiled
+        if masked:
+            key_positions = mark_key_dim(key_positions)
         logits = forward(
             self.model,
             self.embed_tokens,
@@ -643,7 +639,7 @@ class DFlashDrafter:
             key_positions,
             self._k,
             self._v,
-            masked=static,
+            masked=masked,
         )
         self.seen = end
         return logits
@@ -713,6 +709,55 @@ class DFlashDrafter:
         from ddtree.models.checkpoint import save_safetensors
 
         save_safetensors(path, self.model.state_dict(), self.config.to_dict())
+
+
+class EagerDraftStep:
+    """Eager proposes of a :class:`DFlashDrafter`: the new context rows and the keys at their
+    exact counts."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self.drafter = drafter
+
+    def step(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        d = self.drafter
+        end = d.seen + int(context_hidden.shape[0])
+        keys = end + d.block_size
+        d._ensure(keys)
+        return d.run_forward(_draft_step, context_hidden[None], end, keys, root_token, False)
+
+
+class CompiledDraftStep:
+    """Compiled proposes of a :class:`DFlashDrafter`: one graph of static shapes. It only
+    pads: the new context to B rows (a longer one, the prompt, appended eagerly first), the
+    keys to a whole bucket, hiding what is padded."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self.drafter = drafter
+        self.forward = CompiledForward(_draft_step, drafter.device)
+
+    def warm_up(self) -> float:
+        """Compile the graph; returns the seconds that took."""
+        d = self.drafter
+        return self.forward.warm_up(lambda: self.step(d._context[0, :1], 0))
+
+    def step(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        d, b = self.drafter, self.drafter.block_size
+        if context_hidden.shape[0] > b:
+            head = context_hidden[:-b]
+            d._ensure(d.seen + head.shape[0])
+            d._seen_t.fill_(d.seen)
+            _append_context(d.model, head[None], d._seen_t, d._k, d._v)
+            d.seen += int(head.shape[0])
+            context_hidden = context_hidden[-b:]
+        t_new = int(context_hidden.shape[0])
+        end = d.seen + t_new
+        keys = kv_bucket(end + b)
+        d._ensure(keys)
+        d._context[0, :t_new] = context_hidden
+        d._context[0, t_new:] = 0
+        cache_input(d._k, capacity_dim=1)
+        cache_input(d._v, capacity_dim=1)
+        return d.run_forward(self.forward, d._context, end, keys, root_token, True)
 
 
 def _append_context(
