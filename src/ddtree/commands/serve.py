@@ -69,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="append one engine_run measurement record per finished request to this JSONL file",
     )
     p.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    p.add_argument(
+        "--profile-stages",
+        action="store_true",
+        help="time every stage of a step (on CUDA: a synchronisation per stage); off, the "
+        "metrics charge the whole step to 'other' (benchmarks always time the stages)",
+    )
     p.set_defaults(_quick_exit=True)  # see ddtree.cli.main
     p.add_argument(
         "--shutdown-timeout",
@@ -127,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    defaults = decode_config(args, args.policy, engine_mode=args.engine_mode)
+    defaults = decode_config(
+        args, args.policy, engine_mode=args.engine_mode, profile_stages=args.profile_stages
+    )
     settings = ServeSettings(
         model_name=_model_name(args),
         defaults=defaults,

@@ -69,6 +69,7 @@ class DecodeConfig:
     engine_mode: str = "eager"  # "eager" | "compiled" (ddtree.models.static)
     buckets: tuple[int, ...] = ()  # compiled verify width buckets; (): the policy's own width
     compile_scope: str = "model"  # compiled: the target's whole forward, or each "layer"
+    profile_stages: bool = True  # time every stage of a step (False: the step only, no syncs)
     # ``policy`` resolved once: every rule that follows from it (``ddtree.vocab.Policy``)
     rules: Policy = field(init=False, repr=False, compare=False)
 
@@ -152,7 +153,7 @@ def generate(
         config.max_new_tokens, frozenset(eos), config.stop_strings, tokenizer
     )
     sampler = sampler_for(config.temperature, config.top_k, config.top_p, config.seed, device)
-    clock = StageClock.for_device(device)
+    clock = StageClock.for_device(device, config.profile_stages)
 
     models = [target, drafter] if policy.needs_drafter else [target]
     described = [(f"{m.info.name} ({m.info.implementation})", m.engine_modes) for m in models]
