@@ -11,6 +11,7 @@ README), where drafting each position from scratch would cost a drafter forward 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,12 @@ class CommittedHidden:
 
     def set_capture_layers(self, layer_ids: list[int]) -> None:
         self.target.set_capture_layers(self.capture)
+
+    def set_engine_mode(self, plan):
+        """The plan with this wrapper's capture layers, whatever the policy's."""
+        return self.target.set_engine_mode(
+            dataclasses.replace(plan, capture_layers=tuple(self.capture))
+        )
 
     def prefill(self, input_ids: torch.Tensor):
         out = self.target.prefill(input_ids)
