@@ -18,6 +18,52 @@ MIN_TEMPERATURE = 1e-30
 MIN_TOP_P = 1e-30
 
 
+@dataclass(frozen=True)
+class SamplingFloor:
+    """The least value of one sampling parameter float32 holds: the one rule the decode config,
+    the command line and the HTTP layer check (each names its own input in the message)."""
+
+    name: str  # "temperature" | "top_p"
+    least: float
+    why: str  # what goes wrong below it
+    zero_is_greedy: bool = False  # 0 is allowed and means greedy
+
+    def refuses(self, value: float) -> bool:
+        """``value`` (already known to be a finite number of the parameter's range) is below
+        the floor."""
+        return value < self.least and not (self.zero_is_greedy and value == 0)
+
+    def expected(self, at_least: str = ">=") -> str:
+        """What is accepted, e.g. ``0 (greedy) or >= 1e-30``."""
+        greedy = "0 (greedy) or " if self.zero_is_greedy else ""
+        return f"{greedy}{at_least} {self.least:g}"
+
+
+SAMPLING_FLOORS: dict[str, SamplingFloor] = {
+    f.name: f
+    for f in (
+        SamplingFloor(
+            "temperature",
+            MIN_TEMPERATURE,
+            "smaller ones overflow float32 logits / temperature into NaN",
+            zero_is_greedy=True,
+        ),
+        SamplingFloor(
+            "top_p", MIN_TOP_P, "smaller ones round to 0 in float32 and drop every token"
+        ),
+    )
+}
+
+
+def check_sampling_floors(**values: float) -> None:
+    """ValueError naming the first of ``values`` (``temperature=``, ``top_p=``) below its
+    floor (:data:`SAMPLING_FLOORS`)."""
+    for name, value in values.items():
+        floor = SAMPLING_FLOORS[name]
+        if floor.refuses(value):
+            raise ValueError(f"{name} must be {floor.expected()} ({floor.why}), got {value}")
+
+
 class Stage(StrEnum):
     """A timed stage. A decode step runs ``STEP_STAGES`` in order; ``prefill`` is the target
     forward over the prompt, before the first step."""

@@ -26,7 +26,6 @@ import torch
 
 from ddtree.engine.loop import DecodeConfig, GenerationResult
 from ddtree.models.linear import weight_tensors
-from ddtree.vocab import get_policy
 
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 
@@ -93,15 +92,14 @@ def step_bytes(
     """(step bytes, their parts) of a config at mean context ``context`` (module docstring).
     ``drafter``: the oracle; its ``base`` (the DFlash drafter whose forward it runs) is what
     reads memory."""
-    policy = get_policy(config.policy)
-    width = policy.budget(config.block_size, config.budget) + 1
+    width = config.tree_budget + 1
     cache = target.cache
     parts = {
         "target_weights": weight_bytes(target.model, width, top_k),
         "target_kv": kv_bytes(cache.tensors(), cache.capacity_dim, context),
     }
     base = getattr(drafter, "base", None)
-    if policy.needs_drafter and base is not None:
+    if config.rules.needs_drafter and base is not None:
         head = target.lm_head.weight
         own = sum(p.numel() * p.element_size() for _, p in weight_tensors(base.model))
         parts["drafter_weights"] = float(own + head.numel() * head.element_size())
@@ -114,7 +112,7 @@ def oracle_feeder(oracle, prompts: list[list[int]]) -> Callable:
     run's tokens for the other policies on the same prompt (same engine mode)."""
 
     def on_result(config: DecodeConfig, i: int, result: GenerationResult) -> None:
-        if not get_policy(config.policy).needs_drafter:
+        if not config.rules.needs_drafter:
             oracle.expect(list(prompts[i]) + result.tokens)
 
     return on_result

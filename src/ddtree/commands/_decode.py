@@ -27,9 +27,8 @@ from ddtree.files import read_input_bytes
 from ddtree.utf8 import check_text, decode_text
 from ddtree.vocab import (
     DEFAULT_POLICY,
-    MIN_TEMPERATURE,
-    MIN_TOP_P,
     POLICIES,
+    SAMPLING_FLOORS,
     Drafting,
     EngineMode,
     policies_help,
@@ -102,23 +101,23 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def temperature(text: str) -> float:
-    """An argparse type: 0 (greedy) or a finite temperature >= ``MIN_TEMPERATURE``."""
+    """An argparse type: 0 (greedy) or a finite temperature above its float32 floor."""
     value = non_negative_float(text)
-    if 0 < value < MIN_TEMPERATURE:
+    floor = SAMPLING_FLOORS["temperature"]
+    if floor.refuses(value):
         raise argparse.ArgumentTypeError(
-            f"expected 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {text!r} "
-            "(smaller ones overflow float32 logits / temperature into NaN)"
+            f"expected 0 (greedy) or a finite number >= {floor.least:g}, got {text!r} ({floor.why})"
         )
     return value
 
 
 def top_p(text: str) -> float:
-    """An argparse type: a probability in (0, 1] that float32 holds (>= ``MIN_TOP_P``)."""
+    """An argparse type: a probability in (0, 1] that float32 holds (its floor)."""
     value = probability(text)
-    if value < MIN_TOP_P:
+    floor = SAMPLING_FLOORS["top_p"]
+    if floor.refuses(value):
         raise argparse.ArgumentTypeError(
-            f"expected a finite probability in {MIN_TOP_P:g}..1, got {text!r} (smaller ones "
-            "round to 0 in float32 and drop every token)"
+            f"expected a finite probability in {floor.least:g}..1, got {text!r} ({floor.why})"
         )
     return value
 
@@ -312,7 +311,7 @@ def summary_tables(points, title: str):
     from rich.table import Table
 
     from ddtree.engine.sweep import speedups
-    from ddtree.vocab import STEP_STAGES, get_policy
+    from ddtree.vocab import STEP_STAGES
 
     ratio = speedups(points)
     head = Table(title=title, caption="vs AR, same as AR: against AR in the same engine mode")
@@ -328,7 +327,7 @@ def summary_tables(points, title: str):
     for i, p in enumerate(points):
         s, c = p.summary, p.config
         same = {None: "-", True: "yes", False: "NO"}[p.identical_to_ar]
-        policy = get_policy(c.policy)
+        policy = c.rules
         block = str(c.block_size) if policy.needs_drafter else "-"
         budget = str(policy.budget(c.block_size, c.budget))
         head.add_row(
@@ -357,12 +356,11 @@ def regime_lines(points) -> list[str]:
     """What a sweep says about the regime, per engine mode with AR and DDTree points: the
     speedup as tau over the step ratio, the verify's cost over one token's, and the tau that
     2x would need (every figure from the points; nothing assumed)."""
-    from ddtree.vocab import get_policy
 
     lines = []
     for mode in dict.fromkeys(p.config.engine_mode for p in points):
         here = [p for p in points if p.config.engine_mode == mode]
-        ar = next((p for p in here if not get_policy(p.config.policy).needs_drafter), None)
+        ar = next((p for p in here if not p.config.rules.needs_drafter), None)
         trees = [p for p in here if p.config.policy == "ddtree"]
         if ar is None or not trees:
             continue
@@ -371,7 +369,7 @@ def regime_lines(points) -> list[str]:
         ratio = d["step_s_mean"] / a["step_s_mean"]
         verify = d["stage_s_mean"]["verify"] / a["stage_s_mean"]["verify"]
         draft = d["stage_s_mean"]["draft"] / a["stage_s_mean"]["verify"]
-        width = get_policy(best.config.policy).budget(best.config.block_size, best.config.budget)
+        width = best.config.tree_budget
         bound = verify < MEMORY_BOUND_VERIFY_RATIO
         regime = (
             "memory-bound: a wide verify is nearly free"

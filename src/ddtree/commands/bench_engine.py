@@ -65,7 +65,7 @@ def configs_from_args(args: argparse.Namespace):
 
 
 def _label(config) -> str:
-    budget = get_policy(config.policy).budget(config.block_size, config.budget)
+    budget = config.tree_budget
     return f"{config.engine_mode} {config.policy} B={config.block_size} N={budget}"
 
 
@@ -87,7 +87,7 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
     prompts = demo_prompts(args.prompts)
     if args.n_prompts:
         prompts = prompts[: args.n_prompts]
-    need_drafter = any(get_policy(c.policy).needs_drafter for c in configs)
+    need_drafter = any(c.rules.needs_drafter for c in configs)
     with progress("loading models"):
         modes = tuple(sorted({c.engine_mode for c in configs}))
         models = load_models(args, need_drafter=need_drafter, engine_modes=modes)
@@ -162,7 +162,7 @@ def _records(args, models, ids, points, interrupted: str | None = None) -> list:
             p.config,
             models.target.info,
             models.target_path,
-            models.drafter.info if get_policy(p.config.policy).needs_drafter else None,
+            models.drafter.info if p.config.rules.needs_drafter else None,
             models.drafter_path,
             device=args.device,
             prompt_lens=lens,

@@ -182,7 +182,6 @@ def _ms(p: dict) -> str:
 def run(args: argparse.Namespace) -> int:
 
     from ddtree.serve.loadgen import LoadClient
-    from ddtree.vocab import get_policy
 
     if args.flood:
         return _flood_run(args)
@@ -203,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         file=log,
         flush=True,
     )
-    need_drafter = get_policy(args.policy).needs_drafter
+    need_drafter = configs[0].rules.needs_drafter
     models = load_models(args, need_drafter=need_drafter, engine_modes=(args.engine_mode,))
     _direct_pass(models, prompts[:1], configs[:1])  # warm-up (compiles in compiled mode)
     stack, starting = _serving(args, "ddtree-bench-serve-")

@@ -248,16 +248,15 @@ def _bandwidth(args, device):
 
 def _rows(points, target, oracle, prompts, preset, bandwidth_bytes_per_s: float):
     from ddtree.bench.shapes import ShapeRow, mean_context, step_bytes
-    from ddtree.vocab import get_policy
 
     top_k = int(preset.target.get("num_experts_per_tok") or 0)
     lens = [len(p) for p in prompts]
     ar_tps = {p.config.engine_mode: p.summary["tokens_per_s"] for p in points
-              if not get_policy(p.config.policy).needs_drafter}  # fmt: skip
+              if not p.config.rules.needs_drafter}  # fmt: skip
     rows = []
     for p in points:
         c = p.config
-        policy = get_policy(c.policy)
+        policy = c.rules
         total, parts = step_bytes(c, target, oracle, mean_context(p.results, lens), top_k)
         budget = policy.budget(c.block_size, c.budget)
         rows.append(

@@ -25,7 +25,6 @@ from ddtree.commands._decode import (
 )
 from ddtree.files import read_input_bytes
 from ddtree.utf8 import check_text, decode_text
-from ddtree.vocab import get_policy
 
 STDIN = "-"
 
@@ -136,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         text_in = prompt_text(args)
         messages = [{"role": "user", "content": text_in}] if args.chat else None
-    policy = get_policy(args.policy)
+    policy = config.rules
     template = None
     if messages is not None:  # a missing or failing template fails before the models load
         from ddtree.serve.chat import ChatTemplate

@@ -69,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="append one engine_run measurement record per finished request to this JSONL file",
     )
     p.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    p.add_argument(
+        "--profile-stages",
+        action="store_true",
+        help="time every stage of a step (on CUDA: a synchronisation per stage); off, the "
+        "metrics charge the whole step to 'other' (benchmarks always time the stages)",
+    )
     p.set_defaults(_quick_exit=True)  # see ddtree.cli.main
     p.add_argument(
         "--shutdown-timeout",
@@ -118,7 +124,6 @@ def run(args: argparse.Namespace) -> int:
 
     from ddtree.serve.app import ServeSettings
     from ddtree.serve.server import bind, serve
-    from ddtree.vocab import get_policy
 
     check_api_key(args.api_key)
     if args.api_key is None and not is_loopback(args.host):
@@ -128,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    defaults = decode_config(args, args.policy, engine_mode=args.engine_mode)
+    defaults = decode_config(
+        args, args.policy, engine_mode=args.engine_mode, profile_stages=args.profile_stages
+    )
     settings = ServeSettings(
         model_name=_model_name(args),
         defaults=defaults,
@@ -140,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # a port in use fails now, not after loading
     set_threads(args)
     print(f"loading the models ({threads_label(args)}) ...", file=sys.stderr, flush=True)
-    need_drafter = get_policy(args.policy).needs_drafter
+    need_drafter = settings.defaults.rules.needs_drafter
     models = load_models(args, need_drafter=need_drafter, engine_modes=(args.engine_mode,))
     serve(
         models, settings, sock, args.records, args.device, access_log=args.access_log,

@@ -7,6 +7,7 @@ from ddtree.engine.loop import (
     check_context,
     generate,
     prompt_tensor,
+    request_positions,
 )
 from ddtree.engine.runrecord import engine_run_record, summarize
 from ddtree.engine.timing import StageClock, StepTimings
@@ -21,5 +22,6 @@ __all__ = [
     "engine_run_record",
     "generate",
     "prompt_tensor",
+    "request_positions",
     "summarize",
 ]

@@ -35,14 +35,14 @@ from ddtree.engine.propose import check_runnable, proposer_for
 from ddtree.engine.sample import sampler_for
 from ddtree.engine.stop import StopCondition
 from ddtree.engine.timing import StageClock, StepTimings
-from ddtree.models.base import Drafter, Target
+from ddtree.models.base import Drafter, ModelInfo, Target
 from ddtree.models.static import (
     EnginePlan,
     check_compile_scope,
     check_engine_mode,
     check_engine_support,
 )
-from ddtree.vocab import DEFAULT_POLICY, MIN_TEMPERATURE, MIN_TOP_P, get_policy
+from ddtree.vocab import DEFAULT_POLICY, Policy, check_sampling_floors, get_policy
 
 MAX_BUDGET = 8192
 """Largest budget N: the verify forward's width is M = N + 1 and its additive mask alone is
@@ -69,9 +69,12 @@ class DecodeConfig:
     engine_mode: str = "eager"  # "eager" | "compiled" (ddtree.models.static)
     buckets: tuple[int, ...] = ()  # compiled verify width buckets; (): the policy's own width
     compile_scope: str = "model"  # compiled: the target's whole forward, or each "layer"
+    profile_stages: bool = True  # time every stage of a step (False: the step only, no syncs)
+    # ``policy`` resolved once: every rule that follows from it (``ddtree.vocab.Policy``)
+    rules: Policy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        policy = get_policy(self.policy)
+        self.rules = policy = get_policy(self.policy)
         check_runnable(policy)
         check_engine_mode(self.engine_mode)
         check_compile_scope(self.compile_scope)
@@ -89,30 +92,26 @@ class DecodeConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.temperature < math.inf:  # NaN fails too
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(
-                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (smaller ones "
-                f"overflow float32 logits / temperature), got {self.temperature}"
-            )
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_p < MIN_TOP_P:
-            raise ValueError(
-                f"top_p must be >= {MIN_TOP_P:g} (smaller ones round to 0 in float32), "
-                f"got {self.top_p}"
-            )
+        check_sampling_floors(temperature=self.temperature, top_p=self.top_p)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def tree_budget(self) -> int:
+        """Non-root nodes of a step's tree: the policy's budget at this B and N (0 for ar,
+        B - 1 for chain, N for ddtree)."""
+        return self.rules.budget(self.block_size, self.budget)
+
     def width_buckets(self) -> tuple[int, ...]:
         """Verify widths the compiled graphs are built for: ``buckets``, else the policy's
         width M = its budget + 1 (1 for ar, B for chain, N + 1 for ddtree)."""
-        policy = get_policy(self.policy)
-        return self.buckets or (policy.budget(self.block_size, self.budget) + 1,)
+        return self.buckets or (self.tree_budget + 1,)
 
 
 @dataclass
@@ -144,7 +143,7 @@ def generate(
 ) -> GenerationResult:
     """Decode one request. ``on_commit(tokens)`` is called with each step's new tokens (an
     exception raised there ends the request and propagates)."""
-    policy = get_policy(config.policy)
+    policy = config.rules
     device = torch.device(target.device)
     proposer = proposer_for(policy, drafter, config.block_size, config.budget, device)
     prompt = prompt_tensor(prompt_ids)  # [T] int64
@@ -154,13 +153,18 @@ def generate(
         config.max_new_tokens, frozenset(eos), config.stop_strings, tokenizer
     )
     sampler = sampler_for(config.temperature, config.top_k, config.top_p, config.seed, device)
-    clock = StageClock.for_device(device)
+    clock = StageClock.for_device(device, config.profile_stages)
 
     models = [target, drafter] if policy.needs_drafter else [target]
     described = [(f"{m.info.name} ({m.info.implementation})", m.engine_modes) for m in models]
     check_engine_support(config.engine_mode, described)
-    target.set_capture_layers(list(proposer.capture_layers))
-    plan = EnginePlan(config.engine_mode, config.width_buckets(), max_len, config.compile_scope)
+    plan = EnginePlan(
+        config.engine_mode,
+        config.width_buckets(),
+        max_len,
+        config.compile_scope,
+        capture_layers=tuple(proposer.capture_layers),
+    )
     compile_s = target.set_engine_mode(plan)  # resets the cache; EngineModeError if unsupported
     compile_s += proposer.set_engine_mode(plan)
 
@@ -241,13 +245,20 @@ def prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
 def check_context(target: Target, prompt_len: int, config: DecodeConfig) -> int:
     """Positions a request may reach; refuses (``ContextLengthError``) what does not fit the
     target. ``generate`` calls it before any forward; a server calls it before queueing."""
-    block = get_policy(config.policy).block(config.block_size)
-    limit = target.info.max_position
-    # the last step verifies up to B tokens after the committed ones
-    needed = prompt_len + config.max_new_tokens + block
+    block = config.rules.block(config.block_size)
+    return request_positions(target.info, prompt_len, config.max_new_tokens, block)
+
+
+def request_positions(info: ModelInfo, prompt_len: int, max_new_tokens: int, block: int) -> int:
+    """The positions rule of a request (the engine's and a replay recording's): the prompt,
+    ``max_new_tokens`` and, since the last step verifies up to ``block`` tokens after the
+    committed ones, a block more. ``ContextLengthError`` past the target's ``max_position``
+    (0: unbounded)."""
+    needed = prompt_len + max_new_tokens + block
+    limit = info.max_position
     if limit and needed > limit:
         raise ContextLengthError(
-            f"prompt of {prompt_len} tokens + max_new_tokens {config.max_new_tokens} + block "
-            f"{block} needs {needed} positions; {target.info.name} has max_position {limit}"
+            f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} + block "
+            f"{block} needs {needed} positions; {info.name} has max_position {limit}"
         )
     return needed

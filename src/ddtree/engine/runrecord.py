@@ -15,7 +15,7 @@ from ddtree.engine.loop import DecodeConfig, GenerationResult
 from ddtree.provenance import this_hardware, this_process
 from ddtree.records import EngineRun
 from ddtree.tree import backend as tree_backend
-from ddtree.vocab import MODEL_STAGES, STEP_STAGES, EngineMode, get_policy
+from ddtree.vocab import MODEL_STAGES, STEP_STAGES, EngineMode
 
 
 def model_config(info, path: str | Path | None) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def engine_run_record(
     ``compile_s``: compile time spent outside ``results`` (a sweep's warm-up request); default
     the results' own. ``threads`` is torch's CPU thread count as the record is made (the
     runs that feed one calibration or one diagnosis should agree on it)."""
-    policy = get_policy(config.policy)
+    policy = config.rules
     compiled = config.engine_mode != EngineMode.EAGER
     return EngineRun(
         hardware=this_hardware(),

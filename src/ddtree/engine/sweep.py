@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from ddtree.engine.loop import DecodeConfig, GenerationResult, generate
 from ddtree.engine.runrecord import summarize
 from ddtree.models.base import Drafter, Target
-from ddtree.vocab import AR, get_policy
+from ddtree.vocab import AR
 
 
 @dataclass
@@ -106,7 +106,7 @@ def _compare_with_ar(points: list[SweepPoint]) -> None:
                 c.eos_token_ids,
                 c.engine_mode,
             )
-            if get_policy(a.policy) is AR and a.greedy and comparable:
+            if a.rules is AR and a.greedy and comparable:
                 point.identical_to_ar = all(
                     r.tokens == b.tokens for r, b in zip(point.results, ar.results, strict=True)
                 )
@@ -118,7 +118,7 @@ def speedups(points: Sequence[SweepPoint]) -> dict[int, float | None]:
     AR is on the same hardware and engine mode); index -> ratio, None without."""
     base: dict[str, float] = {}
     for p in points:
-        if get_policy(p.config.policy) is AR:
+        if p.config.rules is AR:
             base.setdefault(p.config.engine_mode, p.summary["tokens_per_s"])
     return {
         i: (p.summary["tokens_per_s"] / base[p.config.engine_mode])

@@ -1,5 +1,8 @@
-"""Per-stage step timing. The clock is chosen once: on CUDA it synchronises before every
-reading (so a stage owns the kernels it launched), on CPU it reads ``perf_counter`` only."""
+"""Per-stage step timing, a switch (``DecodeConfig.profile_stages``: on in benchmarks and
+``generate``, off in ``ddtree serve`` unless ``--profile-stages``). The clock is chosen once:
+profiling on CUDA it synchronises before every reading (so a stage owns the kernels it
+launched), on CPU it reads ``perf_counter`` only. Not profiling, it reads the step's start
+and end only, never synchronises, and charges the whole step to ``other``."""
 
 from __future__ import annotations
 
@@ -25,13 +28,16 @@ class StageClock:
     """Stamps named stages of one step: ``begin()``, then ``mark(stage)`` after each stage."""
 
     sync_cuda: bool
+    profile: bool = True  # False: no stage marks, the step is all "other"
     _t0: float = 0.0
     _last: float = 0.0
     _stage_s: dict[Stage, float] = field(default_factory=dict)
 
     @staticmethod
-    def for_device(device: torch.device | str) -> StageClock:
-        return StageClock(sync_cuda=torch.device(device).type == "cuda")
+    def for_device(device: torch.device | str, profile: bool = True) -> StageClock:
+        return StageClock(
+            sync_cuda=profile and torch.device(device).type == "cuda", profile=profile
+        )
 
     def _now(self) -> float:
         if self.sync_cuda:
@@ -44,6 +50,8 @@ class StageClock:
 
     def mark(self, stage: Stage | str) -> None:
         """Charge the time since the last mark to ``stage`` (a ``Stage`` or its name)."""
+        if not self.profile:
+            return
         now = self._now()
         self._stage_s[Stage(stage)] += now - self._last
         self._last = now

@@ -18,17 +18,17 @@ from pathlib import Path
 
 import torch
 
-from ddtree.models import decoder, mla_moe
+from ddtree.models import decoder, dflash, mla_moe
 from ddtree.models.compat import (
     DRAFTER_ARCHITECTURES,
     UnsupportedModelError,
     check_drafter_compat,
     drafter_target_layer_ids,
 )
-from ddtree.vocab import EngineMode
 
-BOTH_MODES = tuple(m.value for m in EngineMode)
-DRAFTER_ENGINE_MODES = BOTH_MODES  # the DFlash drafter runs in every engine mode
+# the engine modes each implementation runs are declared once, on its class (``engine_modes``):
+# the pre-load check reads them here, the engine reads them on the loaded model
+DRAFTER_ENGINE_MODES = dflash.DFlashDrafter.engine_modes
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,13 @@ class TargetImpl:
     target_class: str  # "module:Class", imported when loading
     model_types: tuple[str, ...] = ()  # config.json model_type values chosen automatically
     architectures: tuple[str, ...] = ()  # ... or architectures entries
-    engine_modes: tuple[str, ...] = BOTH_MODES
     parallel: bool = False  # splits over --tp processes
+
+    @property
+    def engine_modes(self) -> tuple[str, ...]:
+        """What its class declares (importing it: the transformers wrapper imports
+        transformers)."""
+        return self.load().engine_modes
 
     def serves(self, config: dict) -> bool:
         architectures = config.get("architectures") or []
@@ -76,7 +81,6 @@ TARGET_IMPLS: dict[str, TargetImpl] = {
             "hf",
             "the transformers wrapper (any causal LM transformers knows; eager only)",
             "ddtree.models.hf:HFTarget",
-            engine_modes=("eager",),
         ),
     )
 }
@@ -130,7 +134,11 @@ def target_engine_modes(path: str | Path, impl: str = "auto", tp: int = 1) -> tu
 
     path = Path(path)
     chosen = choose_target_impl(read_config(path), str(path / "config.json"), impl)
-    return ("eager",) if tp > 1 else chosen.engine_modes
+    if tp > 1:
+        from ddtree.models.parallel import ParallelTarget
+
+        return ParallelTarget.engine_modes
+    return chosen.engine_modes
 
 
 def check_checkpoint(path: Path, config: dict) -> None:

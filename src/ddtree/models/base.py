@@ -77,8 +77,10 @@ class Target(Protocol):
 
     def set_engine_mode(self, plan: EnginePlan) -> float:
         """Eager or compiled forwards for the next requests (``ddtree.models.static``); resets
-        the cache. Returns the seconds spent compiling (warm-up), 0 when nothing compiled.
-        A target that cannot run ``plan.mode`` raises ``EngineModeError``."""
+        the cache. ``plan.capture_layers`` (None: keep those of ``set_capture_layers``) are
+        the hidden states its forwards return. Returns the seconds spent compiling (warm-up),
+        0 when nothing compiled. A target that cannot run ``plan.mode`` raises
+        ``EngineModeError``."""
 
     def layout(self, tree: DraftTree):
         """What ``verify`` takes for ``tree`` after the committed prefix: ``verify_layout``

@@ -36,8 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.models.base import ModelInfo, NonFiniteLogitsError
-from ddtree.models.layers import GatedMLP, RMSNorm
+from ddtree.models.base import ModelInfo
+from ddtree.models.layers import (
+    GatedMLP,
+    RMSNorm,
+    RopeSpec,
+    RopeTables,
+    check_finite,
+    rope_tables,
+)
 from ddtree.models.static import (
     ENGINE_MODES,
     CompiledForward,
@@ -99,6 +106,11 @@ class DFlashConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+
+    @property
+    def rope(self) -> RopeSpec:
+        """Default RoPE over ``head_dim`` at ``rope_theta`` (the only kind a drafter uses)."""
+        return RopeSpec(self.head_dim, self.rope_theta)
 
     @property
     def context_features(self) -> int:
@@ -224,21 +236,10 @@ class DFlashConfig:
         return out
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
-    """positions [..., T] -> cos, sin [..., T, head_dim] (halves repeated, ``rotate_half``)."""
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
-    )
-    freqs = positions.float()[..., None] * inv_freq  # [..., T, head_dim / 2]
-    emb = torch.cat([freqs, freqs], -1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [R, heads, T, D]; cos/sin [R, T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos[:, None] + rotated * sin[:, None]
+def rotary_tables(c: DFlashConfig, positions: torch.Tensor, dtype) -> RopeTables:
+    """positions [R, T] -> the rotary tables of x [R, heads, T, D] (cos/sin [R, 1, T, D/2];
+    rotate-half pairs), from the shared rotary code (``ddtree.models.layers``)."""
+    return rope_tables(c.rope.inv_freq(positions.device), positions[:, None], dtype)
 
 
 class Attention(nn.Module):
@@ -253,22 +254,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
         """x [R, T, H] -> k, v [R, kv_heads, T, D] (k normalised and rotated)."""
         r, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(r, t, -1, self.c.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(r, t, -1, self.c.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        return rope.apply(k), v
 
-    def forward(self, x, cos, sin, context, mask=None) -> torch.Tensor:
+    def forward(self, x, rope: RopeTables, context, mask=None) -> torch.Tensor:
         """x [R, B, H] block; ``context`` either (ctx_k, ctx_v) [R, kv_heads, C, D], to which
         the block's keys/values are concatenated (batched forwards), or a :class:`CacheView`,
         into which they are written at its slots before attending over its first ``n_keys``
         rows (decoding). mask [R, 1, B, keys] bool (True: visible) or None: all visible."""
         r, b, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(r, b, -1, self.c.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)  # [R, heads, B, D]
-        k, v = self.keys_values(x, cos, sin)
+        q = rope.apply(q)  # [R, heads, B, D]
+        k, v = self.keys_values(x, rope)
         if isinstance(context, CacheView):
             k, v = context.write(k, v)
         else:
@@ -316,8 +317,8 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, context, mask=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context, mask)
+    def forward(self, x, rope: RopeTables, context, mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, context, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -365,10 +366,8 @@ class DFlashModel(nn.Module):
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple]:
         """Per layer (k, v) [R, kv_heads, C, D] of context features [R, C, H] at [R, C]."""
-        cos, sin = rope_cos_sin(
-            positions, self.config.head_dim, self.config.rope_theta, features.dtype
-        )
-        return [layer.self_attn.keys_values(features, cos, sin) for layer in self.layers]
+        tables = rotary_tables(self.config, positions, features.dtype)
+        return [layer.self_attn.keys_values(features, tables) for layer in self.layers]
 
     def block_hidden(
         self, block_emb, block_positions, contexts, key_positions=None, visible=None
@@ -381,7 +380,7 @@ class DFlashModel(nn.Module):
         [R or 1, 1, B, keys] bool (None: all) hides more keys on top of the window/causal
         rules (many blocks in one row; padded keys of a compiled propose)."""
         c = self.config
-        cos, sin = rope_cos_sin(block_positions, c.head_dim, c.rope_theta, block_emb.dtype)
+        tables = rotary_tables(c, block_positions, block_emb.dtype)
         kinds = [c.layer_attention(i) for i in range(len(contexts))]
         if key_positions is None and any(kind != (None, False) for kind in kinds):
             r, ctx_len = block_positions.shape[0], contexts[0][0].shape[2]
@@ -396,7 +395,7 @@ class DFlashModel(nn.Module):
                     if kind == (None, False)
                     else _both(attention_mask(block_positions, key_positions, *kind), visible)
                 )
-            x = layer(x, cos, sin, context, masks[kind])
+            x = layer(x, tables, context, masks[kind])
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -505,7 +504,8 @@ class DFlashDrafter:
         self._seen_t = torch.zeros((), dtype=torch.int64, device=self.device)
         self._block_start = torch.zeros((), dtype=torch.int64, device=self.device)
         self.engine = EnginePlan()
-        self._compiled = None
+        self._runner: EagerDraftStep | CompiledDraftStep = EagerDraftStep(self)
+        self._graphs: CompiledDraftStep | None = None  # kept across plans: compiles once
         self.seen = 0  # committed tokens whose context keys/values are cached
 
     def reset(self) -> None:
@@ -513,19 +513,22 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def set_engine_mode(self, plan: EnginePlan) -> float:
-        """Eager or compiled proposes for the next requests (the target's widths do not
-        matter: a propose always has B block rows and at most B new context rows). Compiled
-        mode compiles its one graph the first time; returns the seconds that took."""
+        """Eager or compiled proposes for the next requests: picks the step runner of
+        ``plan.mode`` once (the target's widths do not matter: a propose always has B block
+        rows and at most B new context rows). Compiled mode compiles its one graph the first
+        time; returns the seconds that took."""
         self.engine = plan
         self.reset()
         if plan.mode == "eager":
+            self._runner = EagerDraftStep(self)
             return 0.0
         self._ensure(kv_bucket(plan.max_len + 2 * self.block_size))
-        if self._compiled is not None:
-            return 0.0
-        self._compiled = CompiledForward(_draft_step, self.device)
-        compile_s = self._compiled.warm_up(lambda: self._step(self._context[0, :1], 0))
-        self.reset()
+        compile_s = 0.0
+        if self._graphs is None:
+            self._graphs = CompiledDraftStep(self)
+            compile_s = self._graphs.warm_up()
+            self.reset()
+        self._runner = self._graphs
         return compile_s
 
     @torch.inference_mode()
@@ -546,10 +549,13 @@ class DFlashDrafter:
                 f"root_token={root_token} outside the vocabulary 0..{c.vocab_size - 1}"
             )
         logits = self._step(context_hidden.to(self.device, self.dtype), int(root_token))
-        if self.check_finite and not torch.isfinite(logits.sum(dtype=torch.float32)):
-            raise NonFiniteLogitsError(
-                f"drafter {self.info.name}: NaN/inf logits for the block after {self.seen} "
-                f"context tokens (root {root_token}); stopping instead of drafting garbage"
+        if self.check_finite:
+            check_finite(
+                logits,
+                lambda: (
+                    f"drafter {self.info.name}: NaN/inf logits for the block after {self.seen} "
+                    f"context tokens (root {root_token}); stopping instead of drafting garbage"
+                ),
             )
         return logits
 
@@ -594,42 +600,34 @@ class DFlashDrafter:
         keys = torch.cat([ctx_positions, positions], 1)  # [1, C + R*B]
         hidden = self.model.block_hidden(emb, positions, kv, keys, visible)
         logits = self.model.logits(hidden.view(r, b, -1)[:, 1:], self.lm_head)  # [R, B-1, V]
-        if self.check_finite and not torch.isfinite(logits.sum(dtype=torch.float32)):
-            raise NonFiniteLogitsError(
-                f"drafter {self.info.name}: NaN/inf logits in a batch of {r} blocks"
+        if self.check_finite:
+            check_finite(
+                logits, lambda: f"drafter {self.info.name}: NaN/inf logits in a batch of {r} blocks"
             )
         return logits
 
     def _step(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
-        """One propose, eager or compiled: one input pipeline and one forward
-        (:func:`_draft_step`). Compiled mode only pads: the new context to B rows (a longer
-        one, the prompt, appended first), the keys to a whole bucket, hiding what is padded."""
-        b, static = self.block_size, self.engine.mode == "compiled"
-        if static and context_hidden.shape[0] > b:
-            head = context_hidden[:-b]
-            self._ensure(self.seen + head.shape[0])
-            self._seen_t.fill_(self.seen)
-            _append_context(self.model, head[None], self._seen_t, self._k, self._v)
-            self.seen += int(head.shape[0])
-            context_hidden = context_hidden[-b:]
-        t_new = int(context_hidden.shape[0])
-        end = self.seen + t_new
-        keys = kv_bucket(end + b) if static else end + b
-        self._ensure(keys)
-        context = context_hidden[None]  # [1, T_new, F]
-        if static:
-            self._context[0, :t_new] = context_hidden
-            self._context[0, t_new:] = 0
-            context = self._context  # [1, B, F]
-            cache_input(self._k, capacity_dim=1)
-            cache_input(self._v, capacity_dim=1)
+        """One propose through the runner the engine mode picked (one input pipeline and one
+        forward, :func:`_draft_step`, for both)."""
+        return self._runner.step(context_hidden, root_token)
+
+    def run_forward(
+        self,
+        forward,
+        context: torch.Tensor,  # [1, T, F] new context rows
+        end: int,  # seen + the real new rows: the root's slot
+        keys: int,  # slots attended over
+        root_token: int,
+        masked: bool,  # keys past the block hidden (padded inputs)
+    ) -> torch.Tensor:
+        """Fill the step's inputs, call ``forward`` (:func:`_draft_step`, eager or compiled)
+        and count the new rows as seen. Returns logits [B-1, V]."""
         self._seen_t.fill_(self.seen)
         self._block_start.fill_(end)
         self._block[0, 0] = root_token
         key_positions = self._key_positions(keys)
-        forward = _draft_step
-        if static:
-            key_positions, forward = mark_key_dim(key_positions), self._compiled
+        if masked:
+            key_positions = mark_key_dim(key_positions)
         logits = forward(
             self.model,
             self.embed_tokens,
@@ -641,7 +639,7 @@ class DFlashDrafter:
             key_positions,
             self._k,
             self._v,
-            masked=static,
+            masked=masked,
         )
         self.seen = end
         return logits
@@ -668,16 +666,15 @@ class DFlashDrafter:
         device: str | torch.device | None = None,
     ) -> DFlashDrafter:
         """Load a z-lab-format directory (config.json + safetensors) for ``target``, whose
-        embedding and LM head it shares. ``dtype``/``device`` None: the target's."""
+        embedding and LM head it shares. ``dtype``/``device`` None: the target's. Its config is
+        not checked against the target here: ``ddtree.models.load_drafter`` checks it first
+        (``ddtree.models.compat.check_drafter_compat``, once per load)."""
         from ddtree.models.checkpoint import load_safetensors, match_state_dict, read_config
-        from ddtree.models.compat import check_drafter_compat
         from ddtree.models.linear import prepare_linears
 
         path = Path(path)
-        source = str(path / "config.json")
         raw = read_config(path)
-        check_drafter_compat(raw, target.info, source)
-        config = DFlashConfig.from_dict(raw, source)
+        config = DFlashConfig.from_dict(raw, str(path / "config.json"))
         dtype = dtype or target.dtype
         device = device or target.device
         with torch.device("meta"):
@@ -712,6 +709,55 @@ class DFlashDrafter:
         from ddtree.models.checkpoint import save_safetensors
 
         save_safetensors(path, self.model.state_dict(), self.config.to_dict())
+
+
+class EagerDraftStep:
+    """Eager proposes of a :class:`DFlashDrafter`: the new context rows and the keys at their
+    exact counts."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self.drafter = drafter
+
+    def step(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        d = self.drafter
+        end = d.seen + int(context_hidden.shape[0])
+        keys = end + d.block_size
+        d._ensure(keys)
+        return d.run_forward(_draft_step, context_hidden[None], end, keys, root_token, False)
+
+
+class CompiledDraftStep:
+    """Compiled proposes of a :class:`DFlashDrafter`: one graph of static shapes. It only
+    pads: the new context to B rows (a longer one, the prompt, appended eagerly first), the
+    keys to a whole bucket, hiding what is padded."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self.drafter = drafter
+        self.forward = CompiledForward(_draft_step, drafter.device)
+
+    def warm_up(self) -> float:
+        """Compile the graph; returns the seconds that took."""
+        d = self.drafter
+        return self.forward.warm_up(lambda: self.step(d._context[0, :1], 0))
+
+    def step(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        d, b = self.drafter, self.drafter.block_size
+        if context_hidden.shape[0] > b:
+            head = context_hidden[:-b]
+            d._ensure(d.seen + head.shape[0])
+            d._seen_t.fill_(d.seen)
+            _append_context(d.model, head[None], d._seen_t, d._k, d._v)
+            d.seen += int(head.shape[0])
+            context_hidden = context_hidden[-b:]
+        t_new = int(context_hidden.shape[0])
+        end = d.seen + t_new
+        keys = kv_bucket(end + b)
+        d._ensure(keys)
+        d._context[0, :t_new] = context_hidden
+        d._context[0, t_new:] = 0
+        cache_input(d._k, capacity_dim=1)
+        cache_input(d._v, capacity_dim=1)
+        return d.run_forward(self.forward, d._context, end, keys, root_token, True)
 
 
 def _append_context(

@@ -32,7 +32,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ddtree.models.base import ModelInfo, NonFiniteLogitsError, TargetOutput
+from ddtree.models.base import ModelInfo, NonFiniteLogitsError, TargetOutput  # noqa: F401 (its error)
+from ddtree.models.layers import (
+    check_capture_layers,
+    check_commit,
+    check_finite,
+    check_positions,
+)
 from ddtree.models.static import EagerLayouts, EnginePlan
 from ddtree.tree.layout import VerifyLayout, compaction_indices
 from ddtree.tree.types import DraftTree
@@ -199,11 +205,7 @@ class HFTarget:
         return self.model.get_output_embeddings()
 
     def set_capture_layers(self, layer_ids: list[int]) -> None:
-        n = self.info.num_layers
-        bad = [i for i in layer_ids if not 0 <= i <= n]
-        if bad:
-            raise ValueError(f"capture layer ids {bad} outside 0..{n} (HF hidden_states indexing)")
-        self.capture_layers = tuple(layer_ids)
+        self.capture_layers = check_capture_layers(layer_ids, self.info.num_layers)
 
     def reset(self) -> None:
         self.cache = self._new_cache()
@@ -215,6 +217,8 @@ class HFTarget:
         transformers' ``DynamicCache`` grows by concatenation every forward and the tree commit
         re-slices it, so every step would have new shapes for a compiled graph (and its
         ``StaticCache`` cannot keep a non-suffix subset of the rows)."""
+        if plan.capture_layers is not None:
+            self.set_capture_layers(list(plan.capture_layers))
         self.reset()
         self._layouts.reserve(plan)
         return 0.0
@@ -227,7 +231,7 @@ class HFTarget:
         assert input_ids.dim() == 1, input_ids.shape  # [T] int64
         self._drop_pending()
         t, start = int(input_ids.shape[0]), self._seq_len
-        self._check_positions(start + t, f"prompt of {t} tokens after {start} cached")
+        check_positions(self.info, start + t, f"prompt of {t} tokens after {start} cached")
         mask = causal_float_mask(start, t, self.dtype, self.device)
         positions = torch.arange(start, start + t, device=self.device)
         out = self._forward(input_ids.to(self.device), positions, mask)
@@ -249,7 +253,9 @@ class HFTarget:
         )
         if mask.dtype == torch.bool or not mask.is_floating_point():
             raise TypeError(f"verify layout attn_mask is {mask.dtype}: expected an additive float")
-        self._check_positions(int(positions.max()) + 1, f"tree of depth {int(tree.depth.max())}")
+        check_positions(
+            self.info, int(positions.max()) + 1, f"tree of depth {int(tree.depth.max())}"
+        )
         out = self._forward(
             tree.tokens.to(self.device),
             positions.to(self.device),
@@ -260,14 +266,7 @@ class HFTarget:
 
     @torch.inference_mode()
     def commit(self, accepted: torch.Tensor) -> None:
-        assert accepted.dim() == 1, accepted.shape  # [tau] int64
-        if self._pending == 0:
-            raise RuntimeError("commit() without a preceding verify()")
-        tau = int(accepted.shape[0])
-        if tau < 1 or int(accepted[0]) != 0 or int(accepted.max()) >= self._pending:
-            raise ValueError(
-                f"accepted {accepted.tolist()}: expected root 0 first, ids < {self._pending}"
-            )
+        check_commit(accepted, self._pending)
         plan = compaction_indices(accepted.to(self.device), self._seq_len)
         for layer in self.cache.layers:
             layer.keys = _compact(layer.keys, plan.src, plan.dst, plan.new_len)
@@ -295,13 +294,6 @@ class HFTarget:
                 layer.values = layer.values.index_select(-2, keep)
             self._pending = 0
 
-    def _check_positions(self, needed: int, what: str) -> None:
-        if self.max_position and needed > self.max_position:
-            raise ValueError(
-                f"{self.info.name}: {what} needs {needed} positions > "
-                f"max_position_embeddings={self.max_position}"
-            )
-
     def _forward(
         self,
         ids: torch.Tensor,  # [M] int64
@@ -325,10 +317,13 @@ class HFTarget:
                 f"{m} tokens over {start}: the model ignored {self.cache_keyword}="
             )
         logits = out.logits[0]  # [M, V]
-        if self.check_finite and not torch.isfinite(logits.sum(dtype=torch.float32)):
-            raise NonFiniteLogitsError(
-                f"{self.info.name}: NaN/inf in logits at positions "
-                f"{int(positions.min())}..{int(positions.max())}"
+        if self.check_finite:
+            check_finite(
+                logits,
+                lambda: (
+                    f"{self.info.name}: NaN/inf in logits at positions "
+                    f"{int(positions.min())}..{int(positions.max())}"
+                ),
             )
         hidden = None
         if self.capture_layers:

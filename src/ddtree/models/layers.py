@@ -5,13 +5,16 @@ written once.
 - :class:`RMSNorm` (float32 accumulation, as transformers), :class:`GatedMLP` (SiLU-gated).
 - Rotary embeddings: :class:`RopeSpec` read from a Hugging Face config (``rope_parameters`` of
   transformers 5 or the legacy ``rope_theta`` + ``rope_scaling``), inverse frequencies by rope
-  type from one registry (``default``, ``linear``, ``llama3``, ``yarn``), and :class:`Rotary`
-  (cos/sin of given positions; rotate-half or interleaved pairs).
+  type from one registry (``default``, ``linear``, ``llama3``, ``yarn``), :func:`rope_tables`
+  (cos/sin of given positions) and :class:`RopeTables` (the rotation: rotate-half or
+  interleaved pairs); :class:`Rotary` holds a model's inverse frequencies. The DFlash drafter
+  computes its tables from the same spec (``DFlashConfig.rope``).
 - :class:`Experts`: routed experts as fused 3D parameters with an eager sorted-token loop and a
   fixed-shape dispatch for compiled graphs; :func:`fuse_experts` stacks the per-expert tensors
   of published checkpoints into that layout.
 - Checks: :func:`check_finite` (NaN/inf logits stop the run), :func:`check_capture_layers`,
-  :func:`check_commit`.
+  :func:`check_positions`, :func:`check_commit`: every adapter's (our targets', the transformers
+  wrapper's, the drafter's), written once.
 """
 
 from __future__ import annotations
@@ -87,9 +90,10 @@ class RopeSpec:
         params.pop("partial_rotary_factor", None)  # the caller passes the rotated dims
         return cls(dim=dim, theta=float(theta), kind=kind, params=params)
 
-    def inv_freq(self) -> torch.Tensor:
-        """[dim // 2] float32 inverse frequencies of this rope type."""
-        base = 1.0 / self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim)
+    def inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
+        """[dim // 2] float32 inverse frequencies of this rope type (on ``device``)."""
+        dims = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device)
+        base = 1.0 / self.theta ** (dims / self.dim)
         return ROPE_TYPES[self.kind].inv_freq(base, self)
 
     @property
@@ -146,7 +150,8 @@ def _yarn_inv_freq(base: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as transformers: avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    dims = torch.arange(dim // 2, dtype=torch.float32, device=base.device)
+    ramp = torch.clamp((dims - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp
     return (base / factor) * (1 - extrapolation) + base * extrapolation
 
@@ -218,10 +223,23 @@ class Rotary(nn.Module):
 
     def tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """position_ids [..., M] -> cos, sin [..., M, dim/2] in ``dtype``."""
-        freqs = position_ids[..., None].float() * self.inv_freq  # [..., M, dim/2]
-        cos = (freqs.cos() * self.attention_factor).to(dtype)
-        sin = (freqs.sin() * self.attention_factor).to(dtype)
-        return RopeTables(cos, sin, self.interleave)
+        return rope_tables(
+            self.inv_freq, position_ids, dtype, self.attention_factor, self.interleave
+        )
+
+
+def rope_tables(
+    inv_freq: torch.Tensor,  # [dim/2] float32
+    position_ids: torch.Tensor,  # [..., M] int64
+    dtype: torch.dtype,
+    attention_factor: float = 1.0,
+    interleave: bool = False,
+) -> RopeTables:
+    """The cos/sin tables of every rotary embedding here: [..., M, dim/2] in ``dtype``."""
+    freqs = position_ids[..., None].float() * inv_freq  # [..., M, dim/2]
+    cos = (freqs.cos() * attention_factor).to(dtype)
+    sin = (freqs.sin() * attention_factor).to(dtype)
+    return RopeTables(cos, sin, interleave)
 
 
 # --- routed experts ---------------------------------------------------------------------------
@@ -325,6 +343,16 @@ def check_capture_layers(layer_ids, n_layers: int) -> tuple[int, ...]:
             f"capture layer ids {bad} outside 0..{n_layers} (HF hidden_states indexing)"
         )
     return tuple(layer_ids)
+
+
+def check_positions(info, needed: int, what: str) -> None:
+    """An adapter's forward refused when ``what`` needs more than the ``max_position`` of
+    ``info`` (a ``ModelInfo``; 0: unbounded) positions."""
+    limit = info.max_position
+    if limit and needed > limit:
+        raise ValueError(
+            f"{info.name}: {what} needs {needed} positions > max_position_embeddings={limit}"
+        )
 
 
 def check_commit(accepted: torch.Tensor, pending: int) -> int:

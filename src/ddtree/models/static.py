@@ -90,9 +90,14 @@ class EnginePlan:
     widths: tuple[int, ...] = ()  # verify width buckets (compiled; sorted, distinct)
     max_len: int = 0  # positions the request may reach (prompt + new tokens + block)
     compile_scope: str = "model"  # compiled: COMPILE_SCOPES
+    # hidden states the target returns (HF hidden_states ids; compiled into its graphs);
+    # None: those its set_capture_layers set
+    capture_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check_engine_mode(self.mode)
+        if self.capture_layers is not None:
+            object.__setattr__(self, "capture_layers", tuple(self.capture_layers))
         check_compile_scope(self.compile_scope)
         if any(w < 1 for w in self.widths):
             raise ValueError(f"width buckets must be >= 1, got {list(self.widths)}")

@@ -17,6 +17,7 @@ geometrically (``ensure``), compacted after acceptance (``compact``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,7 +26,12 @@ from torch import nn
 
 from ddtree.models.attention import AttentionInputs
 from ddtree.models.base import ModelInfo, TargetOutput
-from ddtree.models.layers import check_capture_layers, check_commit, check_finite
+from ddtree.models.layers import (
+    check_capture_layers,
+    check_commit,
+    check_finite,
+    check_positions,
+)
 from ddtree.models.static import (
     ENGINE_MODES,
     KV_CHUNK,
@@ -157,11 +163,11 @@ class CachedTarget:
         self.capture_layers: tuple[int, ...] = ()
         self._pending = 0  # M of the last verify, awaiting commit
         self.engine = EnginePlan()
-        self._compiled: CompiledForward | None = None
-        self._static: dict[int, StaticTree] = {}  # width bucket -> its preallocated inputs
-        self._warm: set[tuple[int, tuple[int, ...]]] = set()  # (width, capture layers) compiled
-        self._start = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._keys = KeyPositions(chunk, self.device)
+        self._runner: EagerRunner | CompiledRunner = EagerRunner(self)
+        self._graphs: CompiledRunner | None = None  # kept across plans: its graphs compile once
+        # what both runners' forwards read: S as a tensor, key positions 0..n-1
+        self.start_t = torch.zeros((), dtype=torch.int64, device=self.device)  # [] int64
+        self.key_positions = KeyPositions(chunk, self.device)
 
     # --- protocol -------------------------------------------------------------------------
     @property
@@ -177,7 +183,13 @@ class CachedTarget:
         return self.model.lm_head
 
     def set_capture_layers(self, layer_ids: list[int]) -> None:
-        self.capture_layers = check_capture_layers(layer_ids, self.info.num_layers)
+        """The hidden states the next forwards return (the engine passes them in its plan
+        instead). In compiled mode the current plan is compiled for them too, so this may come
+        before or after :meth:`set_engine_mode`."""
+        layers = check_capture_layers(layer_ids, self.info.num_layers)
+        if layers != self.capture_layers and self._runner is self._graphs:
+            self.set_engine_mode(dataclasses.replace(self.engine, capture_layers=layers))
+        self.capture_layers = layers
 
     def reset(self) -> None:
         self.cache.length = 0
@@ -185,34 +197,23 @@ class CachedTarget:
 
     @torch.inference_mode()
     def set_engine_mode(self, plan: EnginePlan) -> float:
-        """Run the next requests eagerly or compiled (``ddtree.models.static``). Compiled mode
-        compiles (warms up) each width bucket not compiled yet for the current capture layers,
-        with and without a prefix (a request starts with none), and reserves the cache for
-        ``plan.max_len``; returns the seconds that took (0 when nothing new compiled). Resets
-        the cache."""
+        """Run the next requests eagerly or compiled (``ddtree.models.static``): picks the
+        runner of ``plan.mode`` once, so no forward tests the mode. The plan's capture layers
+        (None: those of :meth:`set_capture_layers`) are part of what compiles. Compiled mode
+        compiles (warms up) each width bucket not compiled yet for them, with and without a
+        prefix (a request starts with none), and reserves the cache for ``plan.max_len``;
+        returns the seconds that took (0 when nothing new compiled). Resets the cache."""
+        if plan.capture_layers is not None:
+            self.capture_layers = check_capture_layers(plan.capture_layers, self.info.num_layers)
         self.engine = plan
         self.reset()
         if plan.mode == "eager":
+            self._runner = EagerRunner(self)
             return 0.0
-        if self._compiled is None:
-            self._compiled = CompiledForward(
-                forward_tree, self.device, plan.compile_scope, self.model.model.layers
-            )
-        elif self._compiled.scope != plan.compile_scope:
-            raise EngineModeError(
-                f"{self.info.name} was compiled with compile_scope {self._compiled.scope!r}; "
-                f"it cannot switch to {plan.compile_scope!r} (load it again)"
-            )
-        self.cache.ensure(plan.max_len + self.chunk + plan.widths[-1])
-        compile_s = 0.0
-        for width in plan.widths:
-            static = self._static.setdefault(width, StaticTree(width, self.device))
-            if (width, self.capture_layers) in self._warm:
-                continue
-            self.cache.ensure(2 * self.chunk + width)
-            for start in (0, self.chunk):  # the graph without a prefix, and with one
-                compile_s += self._compiled.warm_up(lambda s=static, t=start: self._run(s, t))
-            self._warm.add((width, self.capture_layers))
+        if self._graphs is None:
+            self._graphs = CompiledRunner(self, plan.compile_scope)
+        self._runner = self._graphs
+        compile_s = self._graphs.plan(plan, self.capture_layers)
         self.reset()
         return compile_s
 
@@ -221,11 +222,7 @@ class CachedTarget:
         """What :meth:`verify` takes for ``tree`` (the engine times it as the layout stage):
         eager, the tree on this device; compiled, the tree copied into its width bucket's
         preallocated inputs."""
-        if self.engine.mode == "compiled":
-            static = self._static[pick_bucket(tree.n_nodes, self.engine.widths)]
-            return StaticLayout(static, static.fill(tree.tokens, tree.depth, tree.visibility))
-        to = self.device
-        return TreeInputs(tree.tokens.to(to), tree.depth.to(to), tree.visibility.to(to))
+        return self._runner.layout(tree)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
@@ -233,45 +230,18 @@ class CachedTarget:
         bucket's graph in causal chunks (each chunk a chain tree, committed whole)."""
         assert input_ids.dim() == 1, input_ids.shape  # [T] int64
         t, start = int(input_ids.shape[0]), self.seq_len
-        self._check_positions(start + t, f"prompt of {t} tokens after {start} cached")
+        check_positions(self.info, start + t, f"prompt of {t} tokens after {start} cached")
         self._pending = 0
-        input_ids = input_ids.to(self.device)
-        if self.engine.mode == "eager":
-            causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-            arange = torch.arange(t, device=self.device)
-            out = self._eager(TreeInputs(input_ids, arange, causal))
-            self.cache.length += t
-            return out
-        static = self._static[self.engine.widths[-1]]
-        outs = []
-        for chunk in input_ids.split(static.width):
-            c = int(chunk.shape[0])
-            chain = torch.ones(c, c, dtype=torch.bool, device=self.device).tril()
-            static.fill(chunk, torch.arange(c, device=self.device), chain)
-            out = self._checked(*self._run(static, self.seq_len), static, c)
-            # copied: the next chunk replays the same graph (under CUDA graphs, into the same
-            # output memory)
-            hidden = None if out.hidden is None else out.hidden.clone()
-            outs.append(TargetOutput(logits=out.logits.clone(), hidden=hidden))
-            self.cache.length += c
-        hidden = None if outs[0].hidden is None else torch.cat([o.hidden for o in outs])
-        return TargetOutput(logits=torch.cat([o.logits for o in outs]), hidden=hidden)
+        return self._runner.prefill(input_ids.to(self.device))
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree, layout: TreeInputs | StaticLayout | None = None):
         m, start = tree.n_nodes, self.seq_len
         depth = int(tree.depth.max())
-        self._check_positions(start + depth + 1, f"tree of depth {depth}")
+        check_positions(self.info, start + depth + 1, f"tree of depth {depth}")
         if layout is None:
             layout = self.layout(tree)
-        if self.engine.mode == "compiled":
-            if not isinstance(layout, StaticLayout):
-                raise TypeError("compiled mode: pass target.layout(tree) (a StaticLayout)")
-            out = self._checked(*self._run(layout.static, start), layout.static, layout.rows)
-        else:
-            if not isinstance(layout, TreeInputs):
-                raise TypeError("eager mode: pass target.layout(tree) (TreeInputs)")
-            out = self._eager(layout)
+        out = self._runner.verify(layout)
         self._pending = m
         return out
 
@@ -283,51 +253,143 @@ class CachedTarget:
         self._pending = 0
 
     # --- internals ------------------------------------------------------------------------
-    def _check_positions(self, needed: int, what: str) -> None:
-        limit = self.info.max_position
-        if limit and needed > limit:
-            raise ValueError(f"{what} needs {needed} positions > max_position_embeddings={limit}")
+    def checked_rows(self, logits, hidden, positions) -> TargetOutput:
+        if self.check_finite:
+            check_finite(
+                logits,
+                lambda: (
+                    f"{self.info.name}: NaN/inf in logits at positions "
+                    f"{int(positions.min())}..{int(positions.max())}"
+                ),
+            )
+        return TargetOutput(logits=logits, hidden=hidden)
 
-    def _eager(self, inputs: TreeInputs) -> TargetOutput:
-        """The forward at exact shapes: prefix = the S committed rows, tail = the M new ones."""
-        m, start = int(inputs.tokens.shape[0]), self.seq_len
-        self.cache.ensure(start + m)
-        self._start.fill_(start)
+
+class EagerRunner:
+    """Eager mode of a :class:`CachedTarget`: :func:`forward_tree` at the exact shapes of each
+    forward (prefix = the S committed rows, tail = the M new ones)."""
+
+    def __init__(self, target: CachedTarget) -> None:
+        self.target = target
+
+    def layout(self, tree: DraftTree) -> TreeInputs:
+        to = self.target.device
+        return TreeInputs(tree.tokens.to(to), tree.depth.to(to), tree.visibility.to(to))
+
+    def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
+        t, device = int(input_ids.shape[0]), input_ids.device
+        causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        out = self._forward(TreeInputs(input_ids, torch.arange(t, device=device), causal))
+        self.target.cache.length += t
+        return out
+
+    def verify(self, layout: TreeInputs) -> TargetOutput:
+        if not isinstance(layout, TreeInputs):
+            raise TypeError("eager mode: pass target.layout(tree) (TreeInputs)")
+        return self._forward(layout)
+
+    def _forward(self, inputs: TreeInputs) -> TargetOutput:
+        t = self.target
+        m, start = int(inputs.tokens.shape[0]), t.seq_len
+        t.cache.ensure(start + m)
+        t.start_t.fill_(start)
         logits, hidden = forward_tree(
-            self.model,
+            t.model,
             inputs.tokens,
             inputs.depth,
-            self._start,
+            t.start_t,
             inputs.visibility,
-            self._keys(start),
-            self.cache.tensors(),
-            self.capture_layers,
+            t.key_positions(start),
+            t.cache.tensors(),
+            t.capture_layers,
             m,
         )
-        return self._checked_rows(logits, hidden, start + inputs.depth)
+        return t.checked_rows(logits, hidden, start + inputs.depth)
+
+
+class CompiledRunner:
+    """Compiled mode of a :class:`CachedTarget`: ``torch.compile(forward_tree)`` at static
+    shapes, one graph per (width bucket, capture layers), each compiled by :meth:`plan` and
+    only replayed afterwards. Kept by the target across plans, so a graph compiles once."""
+
+    def __init__(self, target: CachedTarget, scope: str) -> None:
+        self.target = target
+        self.scope = scope
+        self.forward = CompiledForward(
+            forward_tree, target.device, scope, target.model.model.layers
+        )
+        self.plan_: EnginePlan = EnginePlan()
+        self.capture_layers: tuple[int, ...] = ()
+        self.static: dict[int, StaticTree] = {}  # width bucket -> its preallocated inputs
+        self.warm: set[tuple[int, tuple[int, ...]]] = set()  # (width, capture layers) compiled
+
+    def plan(self, plan: EnginePlan, capture_layers: tuple[int, ...]) -> float:
+        """Compile what ``plan`` runs with ``capture_layers`` and is not compiled yet; returns
+        the seconds that took."""
+        t = self.target
+        if plan.compile_scope != self.scope:
+            raise EngineModeError(
+                f"{t.info.name} was compiled with compile_scope {self.scope!r}; "
+                f"it cannot switch to {plan.compile_scope!r} (load it again)"
+            )
+        self.plan_, self.capture_layers = plan, capture_layers
+        t.cache.ensure(plan.max_len + t.chunk + plan.widths[-1])
+        compile_s = 0.0
+        for width in plan.widths:
+            static = self.static.setdefault(width, StaticTree(width, t.device))
+            if (width, capture_layers) in self.warm:
+                continue
+            t.cache.ensure(2 * t.chunk + width)
+            for start in (0, t.chunk):  # the graph without a prefix, and with one
+                compile_s += self.forward.warm_up(lambda s=static, p=start: self._run(s, p))
+            self.warm.add((width, capture_layers))
+        return compile_s
+
+    def layout(self, tree: DraftTree) -> StaticLayout:
+        static = self.static[pick_bucket(tree.n_nodes, self.plan_.widths)]
+        return StaticLayout(static, static.fill(tree.tokens, tree.depth, tree.visibility))
+
+    def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
+        t, device = self.target, input_ids.device
+        static = self.static[self.plan_.widths[-1]]
+        outs = []
+        for chunk in input_ids.split(static.width):
+            c = int(chunk.shape[0])
+            chain = torch.ones(c, c, dtype=torch.bool, device=device).tril()
+            static.fill(chunk, torch.arange(c, device=device), chain)
+            out = self._checked(*self._run(static, t.seq_len), static, c)
+            # copied: the next chunk replays the same graph (under CUDA graphs, into the same
+            # output memory)
+            hidden = None if out.hidden is None else out.hidden.clone()
+            outs.append(TargetOutput(logits=out.logits.clone(), hidden=hidden))
+            t.cache.length += c
+        hidden = None if outs[0].hidden is None else torch.cat([o.hidden for o in outs])
+        return TargetOutput(logits=torch.cat([o.logits for o in outs]), hidden=hidden)
+
+    def verify(self, layout: StaticLayout) -> TargetOutput:
+        if not isinstance(layout, StaticLayout):
+            raise TypeError("compiled mode: pass target.layout(tree) (a StaticLayout)")
+        out = self._run(layout.static, self.target.seq_len)
+        return self._checked(*out, layout.static, layout.rows)
 
     def _run(self, static: StaticTree, start: int):
         """The compiled forward of one width bucket after ``start`` committed rows: prefix of
         ``P = start`` rounded down to ``chunk`` (0: the graph without a prefix), tail of
         ``chunk + Mb`` keys. Returns (logits [Mb, V], hidden)."""
-        if not self._compiled._warming and (static.width, self.capture_layers) not in self._warm:
-            raise RuntimeError(
-                f"compiled width {static.width} with capture layers {self.capture_layers} was "
-                f"not warmed up: call set_capture_layers before set_engine_mode"
-            )
-        prefix = start // self.chunk * self.chunk
-        tail = self.chunk + static.width
-        self.cache.ensure(prefix + tail)
-        caches = tuple(cache_input(c, self.cache.capacity_dim) for c in self.cache.tensors())
-        self._start.fill_(start)
-        keys = self._keys(prefix)
+        t = self.target
+        prefix = start // t.chunk * t.chunk
+        tail = t.chunk + static.width
+        t.cache.ensure(prefix + tail)
+        caches = tuple(cache_input(c, t.cache.capacity_dim) for c in t.cache.tensors())
+        t.start_t.fill_(start)
+        keys = t.key_positions(prefix)
         if prefix:
             torch._dynamo.maybe_mark_dynamic(keys, 0)
-        return self._compiled(
-            self.model,
+        return self.forward(
+            t.model,
             static.tokens,
             static.depth,
-            self._start,
+            t.start_t,
             static.visibility,
             keys,
             caches,
@@ -338,15 +400,5 @@ class CachedTarget:
     def _checked(self, logits, hidden, static: StaticTree, rows: int) -> TargetOutput:
         """The first ``rows`` outputs of a compiled forward (the padded rows are dropped)."""
         hidden = None if hidden is None else hidden[:rows]
-        return self._checked_rows(logits[:rows], hidden, self.seq_len + static.depth[:rows])
-
-    def _checked_rows(self, logits, hidden, positions) -> TargetOutput:
-        if self.check_finite:
-            check_finite(
-                logits,
-                lambda: (
-                    f"{self.info.name}: NaN/inf in logits at positions "
-                    f"{int(positions.min())}..{int(positions.max())}"
-                ),
-            )
-        return TargetOutput(logits=logits, hidden=hidden)
+        positions = self.target.seq_len + static.depth[:rows]
+        return self.target.checked_rows(logits[:rows], hidden, positions)

@@ -11,6 +11,7 @@ README), where drafting each position from scratch would cost a drafter forward 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from ddtree import tree as tree_core
-from ddtree.engine import DecodeConfig, generate, prompt_tensor
+from ddtree.engine import (
+    ContextLengthError,
+    DecodeConfig,
+    generate,
+    prompt_tensor,
+    request_positions,
+)
 from ddtree.replay.trace import ModelStamp, PromptInfo, Trace, TraceHeader, merge_traces
 
 DEFAULT_TOP_K = 1024  # candidates per depth: enough for any budget up to 1024
@@ -51,6 +58,12 @@ class CommittedHidden:
 
     def set_capture_layers(self, layer_ids: list[int]) -> None:
         self.target.set_capture_layers(self.capture)
+
+    def set_engine_mode(self, plan):
+        """The plan with this wrapper's capture layers, whatever the policy's."""
+        return self.target.set_engine_mode(
+            dataclasses.replace(plan, capture_layers=tuple(self.capture))
+        )
 
     def prefill(self, input_ids: torch.Tensor):
         out = self.target.prefill(input_ids)
@@ -140,7 +153,6 @@ def record_prompts(
     vocab = int(drafter.info.vocab_size)
     k = min(top_k, vocab)
     eos = set(target.info.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    limit = target.info.max_position
     target_stamp = target_stamp or model_stamp(target.info, None)
     drafter_stamp = drafter_stamp or model_stamp(drafter.info, None)
     for i, ids in enumerate(prompts):
@@ -148,13 +160,10 @@ def record_prompts(
             prompt = prompt_tensor(ids)  # [T] int64
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
-        needed = int(prompt.numel()) + max_new_tokens + drafter.block_size
-        if limit and needed > limit:
-            raise ValueError(
-                f"prompt {i}: {prompt.numel()} tokens + max_new_tokens {max_new_tokens} + block "
-                f"{drafter.block_size} needs {needed} positions; {target.info.name} has "
-                f"max_position {limit}"
-            )
+        try:
+            request_positions(target.info, int(prompt.numel()), max_new_tokens, drafter.block_size)
+        except ContextLengthError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
         t0 = time.perf_counter()
         run = greedy_pass(target, prompt, max_new_tokens, eos, list(drafter.target_layer_ids))
         t1 = time.perf_counter()

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ddtree.utf8 import check_text
-from ddtree.vocab import MIN_TEMPERATURE, MIN_TOP_P
+from ddtree.vocab import SAMPLING_FLOORS
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
 MAX_STOP_STRINGS = 4  # OpenAI's limit on ``stop``
@@ -89,23 +89,12 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and unused, as an end-user id
 
-    @field_validator("temperature")
+    @field_validator("temperature", "top_p")
     @classmethod
-    def _temperature(cls, value: float | None) -> float | None:
-        if value is not None and 0 < value < MIN_TEMPERATURE:
-            raise ValueError(
-                f"expected 0 (greedy) or at least {MIN_TEMPERATURE:g} (smaller ones overflow "
-                "the logits in float32)"
-            )
-        return value
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, value: float | None) -> float | None:
-        if value is not None and value < MIN_TOP_P:
-            raise ValueError(
-                f"expected at least {MIN_TOP_P:g} (smaller ones round to 0 in float32)"
-            )
+    def _sampling_floor(cls, value: float | None, info) -> float | None:
+        floor = SAMPLING_FLOORS[info.field_name]
+        if value is not None and floor.refuses(value):
+            raise ValueError(f"expected {floor.expected('at least')} ({floor.why})")
         return value
 
     @field_validator("stop", mode="plain")

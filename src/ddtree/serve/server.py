@@ -23,7 +23,6 @@ from ddtree.serve.metrics import EngineTotals
 from ddtree.serve.recorder import RecordWriter
 from ddtree.serve.worker import EngineWorker
 from ddtree.signals import Interrupted, keep
-from ddtree.vocab import get_policy
 
 SHUTDOWN_TIMEOUT_S = 5.0
 """After a stop signal (Ctrl-C, SIGTERM), the running request has this long to finish
@@ -202,7 +201,7 @@ def serve(
 
     def ready() -> None:
         d = settings.defaults
-        budget = get_policy(d.policy).budget(d.block_size, d.budget)
+        budget = d.tree_budget
         print(
             f"ddtree serve: {url}/v1 (model {settings.model_name!r}, policy {d.policy}, "
             f"block {d.block_size}, budget {budget}, {d.engine_mode})",

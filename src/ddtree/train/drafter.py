@@ -273,12 +273,12 @@ def export_drafter(model, target, out: Path) -> None:
 
 def evaluate_drafter(target_dir, drafter_dir, cfg: DrafterTrainConfig, split, tok, eos_id) -> float:
     """Mean greedy tau of the exported pair on held-out prompts (our MLA+MoE target)."""
-    from ddtree.models.dflash import DFlashDrafter
+    from ddtree.models import load_drafter
     from ddtree.models.mla_moe import MlaMoeTarget
     from ddtree.train.eval import greedy_acceptance
 
     target = MlaMoeTarget.from_pretrained(target_dir)
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, target)
+    drafter = load_drafter(drafter_dir, target)
     stream = encode_stream(tok, read_texts(split.heldout), eos_id)
     prompts = heldout_prompts(
         stream, cfg.eval_prompts, cfg.prompt_len, seed=cfg.seed + 99, eos_id=eos_id
