@@ -36,8 +36,8 @@ from ddtree.models.base import ModelInfo, NonFiniteLogitsError, TargetOutput  # 
 from ddtree.models.layers import (
     check_capture_layers,
     check_commit,
-    check_finite,
     check_positions,
+    check_target_logits,
 )
 from ddtree.models.static import EagerLayouts, EnginePlan
 from ddtree.tree.layout import VerifyLayout, compaction_indices
@@ -318,13 +318,7 @@ class HFTarget:
             )
         logits = out.logits[0]  # [M, V]
         if self.check_finite:
-            check_finite(
-                logits,
-                lambda: (
-                    f"{self.info.name}: NaN/inf in logits at positions "
-                    f"{int(positions.min())}..{int(positions.max())}"
-                ),
-            )
+            check_target_logits(self.info.name, logits, positions)
         hidden = None
         if self.capture_layers:
             states = out.hidden_states

@@ -335,6 +335,16 @@ def check_finite(logits: torch.Tensor, what: Callable[[], str]) -> None:
         raise NonFiniteLogitsError(what())
 
 
+def check_target_logits(name: str, logits: torch.Tensor, positions: torch.Tensor) -> None:
+    """``check_finite`` for a target forward's logits, naming the model and the positions."""
+    check_finite(
+        logits,
+        lambda: (
+            f"{name}: NaN/inf in logits at positions {int(positions.min())}..{int(positions.max())}"
+        ),
+    )
+
+
 def check_capture_layers(layer_ids, n_layers: int) -> tuple[int, ...]:
     """Hidden-state ids in HF ``hidden_states`` indexing (0: embeddings .. ``n_layers``)."""
     bad = [i for i in layer_ids if not 0 <= i <= n_layers]

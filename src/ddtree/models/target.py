@@ -29,8 +29,8 @@ from ddtree.models.base import ModelInfo, TargetOutput
 from ddtree.models.layers import (
     check_capture_layers,
     check_commit,
-    check_finite,
     check_positions,
+    check_target_logits,
 )
 from ddtree.models.static import (
     ENGINE_MODES,
@@ -255,13 +255,7 @@ class CachedTarget:
     # --- internals ------------------------------------------------------------------------
     def checked_rows(self, logits, hidden, positions) -> TargetOutput:
         if self.check_finite:
-            check_finite(
-                logits,
-                lambda: (
-                    f"{self.info.name}: NaN/inf in logits at positions "
-                    f"{int(positions.min())}..{int(positions.max())}"
-                ),
-            )
+            check_target_logits(self.info.name, logits, positions)
         return TargetOutput(logits=logits, hidden=hidden)
 
 
