@@ -89,7 +89,13 @@ SKIPPED = {
 }
 
 # Runs, but not reliably: reported as xfail when it fails, so the failure stays visible.
-FLAKY: dict[str, str] = {}
+FLAKY: dict[str, str] = {
+    'torchrun --nproc-per-node 2 -m ddtree generate --tp 2 --prompt "def parse("': (
+        "rank 1 now and then aborts ('terminate called without an active exception', SIGABRT) "
+        "while the gloo group closes on a loaded 2-core machine: 1 of 1 in a fresh-clone CI run "
+        "that shared the cores with other jobs, 0 of 7 runs alone (issue 30's notes)"
+    ),
+}
 
 
 @dataclass(frozen=True)
