@@ -266,3 +266,27 @@ def test_greedy_lossless_with_a_random_dflash_drafter(target, block):
         for policy, budget in (("chain", 0), ("ddtree", 4), ("ddtree", 32)):
             cfg = DecodeConfig(policy, block_size=block, budget=budget, max_new_tokens=24)
             assert generate(target, drafter, prompt, cfg).tokens == ar.tokens, (policy, budget)
+
+
+def test_a_round_is_in_the_callers_hands_before_its_last_result_is_announced(target):
+    """An interrupt right after a progress line that counts a round must keep that round
+    (bench engine's SIGTERM test once kept 34 rounds after announcing 35)."""
+    from ddtree.engine.sweep import sweep_rounds
+
+    configs = [
+        DecodeConfig(policy="ar", max_new_tokens=3),
+        DecodeConfig(policy="ar", max_new_tokens=4),
+    ]
+    held: list[int] = []  # the rounds the caller holds
+    seen = []  # (generations announced, rounds held at that moment)
+    announced = 0
+
+    def on_result(config, i, result):
+        nonlocal announced
+        announced += 1
+        seen.append((announced, held[-1] if held else 0))
+
+    for points in sweep_rounds(target, None, PROMPTS, configs, on_result=on_result):
+        held.append(len(points[0].results))
+    assert held == [1, 2, 3]
+    assert all(rounds >= n // len(configs) for n, rounds in seen), seen

@@ -42,8 +42,8 @@ def sweep_rounds(
     A caller that stops early (an interrupt) keeps the last round's points: every config over
     the same prompts, so their ratios stay comparable.
 
-    ``on_result(config, prompt_index, result)`` is called after each generation (progress
-    bars; a synthetic oracle drafter learns its reference from the AR result, which comes
+    ``on_result(config, prompt_index, result)`` is called after each generation, for a
+    round's last generation only once the caller holds that round (progress bars; a synthetic oracle drafter learns its reference from the AR result, which comes
     first on each prompt when AR is listed first). A short untimed warm-up per config first
     (``on_warmup(config)`` before each); in compiled mode it compiles the config's graphs, and
     ``summary["compile_s"]`` says how long that took (never part of a step)."""
@@ -56,12 +56,14 @@ def sweep_rounds(
         warm = replace(config, max_new_tokens=min(warmup_tokens, config.max_new_tokens))
         compile_s.append(generate(target, drafter, prompts[0], warm, tokenizer).compile_s)
     results: list[list[GenerationResult]] = [[] for _ in configs]
+    last = len(configs) - 1
     for i, prompt in enumerate(prompts):
-        for config, out in zip(configs, results, strict=True):
+        for k, (config, out) in enumerate(zip(configs, results, strict=True)):
             out.append(generate(target, drafter, prompt, config, tokenizer))
+            if k == last:  # yielded before it is announced: a progress line that counts
+                yield _points(configs, results, compile_s)  # the round means it is kept
             if on_result is not None:
                 on_result(config, i, out[-1])
-        yield _points(configs, results, compile_s)
 
 
 def sweep(
