@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.models.static import static_attention_mask
+from ddtree.models.static import packed_rows_mask, static_attention_mask
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -127,6 +127,28 @@ class AttentionInputs:
             tail_slots=tail_slots,
             tail_mask=static_attention_mask(start, visibility, tail_slots, dtype),
             write_slots=start + torch.arange(visibility.shape[0], device=device),
+        )
+
+    @classmethod
+    def packed(
+        cls,
+        row_lo: torch.Tensor,  # [W] int64: first cache slot of each new row's request
+        row_new: torch.Tensor,  # [W] int64: that request's first new slot (lo + its S)
+        node: torch.Tensor,  # [W] int64: the new row's index in its request's tree
+        visibility: torch.Tensor,  # [W, Mx] bool: its row of that tree's visibility
+        n_keys: int,  # T: slots 0 .. T-1 attended over (every request's region below T)
+        dtype: torch.dtype,
+    ) -> AttentionInputs:
+        """Several requests in one forward (``ddtree.engine.batch``): no maskless prefix
+        (P = 0); every key is a tail key under :func:`packed_rows_mask`, so a request sees
+        only its own region of the cache. Row ``q`` is written at ``row_new + node``."""
+        device = visibility.device
+        slots = torch.arange(n_keys, device=device)
+        return cls(
+            prefix_keys=slots[:0],
+            tail_slots=slots,
+            tail_mask=packed_rows_mask(row_lo, row_new, visibility, slots, dtype),
+            write_slots=row_new + node,
         )
 
 

@@ -511,6 +511,20 @@ class DFlashDrafter:
     def reset(self) -> None:
         self.seen = 0
 
+    def fork(self) -> DFlashDrafter:
+        """A drafter for another request decoded beside this one (``ddtree.engine.batch``):
+        the same modules and weights, a context cache of its own."""
+        twin = DFlashDrafter(
+            self.model,
+            self.embed_tokens,
+            self.lm_head,
+            name=self.info.name,
+            capacity=int(self._k.shape[1]),
+            check_finite=self.check_finite,
+        )
+        twin.info = self.info
+        return twin
+
     @torch.inference_mode()
     def set_engine_mode(self, plan: EnginePlan) -> float:
         """Eager or compiled proposes for the next requests: picks the step runner of

@@ -146,6 +146,34 @@ def static_attention_mask(
     return torch.where(visible, zero, hidden)
 
 
+def packed_rows_mask(
+    row_lo: torch.Tensor,  # [W] int64: the first cache slot of each query's row
+    row_new: torch.Tensor,  # [W] int64: the slot of its row's first new key (= lo + S_row)
+    visibility: torch.Tensor,  # [W, Mx] bool: each query's own row of its tree's visibility
+    key_slots: torch.Tensor,  # [T] int64: the cache slots attended over
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[W, T] additive mask of a packed batch: the W new rows of several requests in one
+    forward, each request owning a region of the cache. A query sees its own request's
+    committed keys (slots ``lo .. new-1``) and the new keys of its own tree that its
+    visibility row marks (slot ``new + j`` when ``visibility[q, j]``); nothing of another
+    request. A visibility row is padded with False past its tree's M nodes.
+
+    Worked example: two requests, regions of 4 slots; request a (lo 0) has S = 2 committed and
+    a tree of 2 nodes (root, child); request b (lo 4) has S = 1 and its root alone. Queries
+    [a0, a1, b0], visibility [[1, 0], [1, 1], [1, 0]], keys 0..5 -> visible columns
+    a0: {0, 1, 2}, a1: {0, 1, 2, 3}, b0: {4, 5}.
+    Runs inside a compiled graph (no host work, no data-dependent shapes)."""
+    width = visibility.shape[1]
+    rel = key_slots[None, :] - row_new[:, None]  # [W, T]: the new-row index of each key
+    in_tree = (rel >= 0) & (rel < width)
+    tree_cols = visibility.gather(1, rel.clamp(0, width - 1)) & in_tree  # [W, T]
+    committed = (key_slots[None, :] >= row_lo[:, None]) & (rel < 0)
+    zero = torch.zeros((), dtype=dtype, device=visibility.device)
+    hidden = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=visibility.device)
+    return torch.where(committed | tree_cols, zero, hidden)
+
+
 class StaticTree:
     """Preallocated per-step inputs of one width bucket ``Mb``: the padded tree's tokens,
     depths and visibility, refilled in place every step."""

@@ -252,6 +252,12 @@ class CachedTarget:
         self.cache.compact(plan.src, plan.dst, plan.new_len)
         self._pending = 0
 
+    @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
+    def new_cache(self, capacity: int) -> ModelCache:
+        """An empty cache of this model with ``capacity`` slots, beside its own (the batched
+        engine's: one region of slots per request, ``ddtree.models.rows``)."""
+        return type(self.cache)(self.model.config, capacity, self.dtype, self.device)
+
     # --- internals ------------------------------------------------------------------------
     def checked_rows(self, logits, hidden, positions) -> TargetOutput:
         if self.check_finite:

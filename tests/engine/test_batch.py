@@ -1,0 +1,232 @@
+"""The batched engine (``ddtree.engine.batch``): every row lossless on its own, whatever the
+other rows do. Greedy rows equal AR token for token (float32); sampled rows equal the same
+request decoded alone with the same seed. Rows join and leave between steps (continuous
+batching), are cancelled, stop on EOS, stop strings and max_new_tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ddtree.engine import DecodeConfig, generate
+from ddtree.engine.batch import BatchEngine, BatchRequest
+from ddtree.engine.stop import StopCondition
+from ddtree.models.rows import Segment, pack
+from ddtree.models.static import EngineModeError, packed_rows_mask, static_attention_mask
+
+from .helpers import ScriptedDrafter, random_dflash_drafter, tiny_hf_target, tiny_mla_target
+
+VOCAB = 61
+LONGEST = 28  # max_new_tokens of the AR references: every trial asks for at most this many
+POOL_SIZE = 24
+
+
+class Letters:
+    """A tokenizer for stop strings over the tiny vocabulary: token i is one letter."""
+
+    def decode(self, ids) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_mla_target(seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return random_dflash_drafter(target, 8, output_multiplier=0.3)
+
+
+@pytest.fixture(scope="module")
+def pool(target):
+    """Prompts and their AR continuations of ``LONGEST`` tokens (no EOS), made once."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = []
+    for _ in range(POOL_SIZE):
+        n = int(torch.randint(1, 20, (), generator=gen))
+        prompts.append(torch.randint(0, VOCAB, (n,), generator=gen).tolist())
+    config = DecodeConfig(policy="ar", max_new_tokens=LONGEST, eos_token_ids=())
+    return [(p, generate(target, None, p, config).tokens) for p in prompts]
+
+
+def _expected(ar: list[int], config: DecodeConfig) -> tuple[list[int], str]:
+    """AR's output under ``config``'s stop conditions: the reference continuation cut by
+    the same rule the engine applies (``StopCondition``), token by token."""
+    tokens = list(ar)
+    stop = StopCondition(
+        config.max_new_tokens, frozenset(config.eos_token_ids), config.stop_strings, Letters()
+    )
+    return tokens, stop.scan(tokens, 0)
+
+
+request_spec = st.fixed_dictionaries(
+    {
+        "prompt": st.integers(0, POOL_SIZE - 1),
+        "policy": st.sampled_from(["ar", "chain", "ddtree", "ddtree"]),
+        "budget": st.integers(1, 40),
+        "max_new": st.integers(1, LONGEST),
+        "eos": st.lists(st.integers(0, VOCAB - 1), max_size=2),
+        "stop": st.sampled_from([(), (), ("ab",), ("q", "zz")]),
+        "scripted": st.booleans(),
+        "hit": st.sampled_from([0.5, 0.9]),
+        "sampled": st.integers(0, 9).map(lambda x: x == 0),  # one request in ten
+        "joins_at": st.integers(0, 6),  # the step before which it is submitted
+        "cancel_at": st.one_of(st.none(), st.integers(1, 8)),
+    }
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(max_rows=st.integers(1, 8), specs=st.lists(request_spec, min_size=1, max_size=7))
+def test_every_row_is_lossless_whatever_the_other_rows_do(target, drafter, pool, max_rows, specs):
+    engine = BatchEngine(target, drafter, max_rows=max_rows, row_capacity=96, tokenizer=Letters())
+    requests = []
+    for i, s in enumerate(specs):
+        prompt, ar = pool[s["prompt"]]
+        config = DecodeConfig(
+            policy=s["policy"], budget=max(s["budget"], 1), max_new_tokens=s["max_new"],
+            eos_token_ids=tuple(s["eos"]), stop_strings=s["stop"],
+            temperature=0.8 if s["sampled"] else 0.0, seed=i,
+        )  # fmt: skip
+        own = None
+        if s["scripted"]:  # a drafter state of its own that knows the answer (deep trees)
+            own = ScriptedDrafter(prompt + ar, VOCAB, 8, hit=s["hit"], seed=i)
+            own.target_layer_ids = list(drafter.target_layer_ids)  # what the engine captures
+        requests.append((s, prompt, ar, config, own))
+    ids: dict[int, int] = {}  # request index -> engine id
+    results = {}
+    step = 0
+    while len(ids) < len(requests) or not engine.idle:
+        for i, (s, prompt, _, config, own) in enumerate(requests):
+            if i not in ids and s["joins_at"] <= step:
+                ids[i] = engine.submit(BatchRequest(prompt, config, drafter=own))
+            if i in ids and s["cancel_at"] == step and i % 3 == 0:
+                engine.cancel(ids[i])
+        results.update(engine.step().finished)
+        step += 1
+        assert engine.running.keys() <= set(ids.values())
+        assert len(engine.running) <= max_rows
+    for i, (s, prompt, ar, config, own) in enumerate(requests):
+        got = results[ids[i]]
+        if config.greedy:
+            tokens, reason = _expected(ar, config)
+        else:  # the same request alone, with the same seed and a fresh drafter state
+            alone_drafter = (
+                ScriptedDrafter(prompt + ar, VOCAB, 8, hit=s["hit"], seed=i) if own else drafter
+            )
+            alone = generate(target, alone_drafter, prompt, config, Letters())
+            tokens, reason = alone.tokens, alone.stop_reason
+        if got.stop_reason == "cancelled":  # what it made by then: a prefix of the answer
+            assert got.tokens == tokens[: len(got.tokens)], (i, s)
+            continue
+        assert got.tokens == tokens, (i, s)
+        assert got.stop_reason == reason, (i, s)
+        assert sum(got.taus) + 1 == len(got.tokens)  # the prefill's token, then the steps'
+
+
+def test_rows_join_as_others_leave_first_come_first_served(target, drafter, pool):
+    """Five requests through two rows: at most two run, each starts as soon as a row frees,
+    in submission order, and every greedy output equals AR."""
+    engine = BatchEngine(target, drafter, max_rows=2, row_capacity=96)
+    lengths = [3, 9, 5, 12, 2]
+    ids = [
+        engine.submit(BatchRequest(pool[i][0], DecodeConfig(max_new_tokens=n)))
+        for i, n in enumerate(lengths)
+    ]
+    started, done = [], {}
+    while not engine.idle:
+        for request_id in engine.running:
+            if request_id not in started:
+                started.append(request_id)
+        assert len(engine.running) <= 2
+        done.update(engine.step().finished)
+    assert started == ids
+    for i, n in enumerate(lengths):
+        assert done[ids[i]].tokens == pool[i][1][:n]
+
+
+def test_a_cancelled_row_frees_its_slot_and_keeps_what_it_made(target, drafter, pool):
+    engine = BatchEngine(target, drafter, max_rows=1, row_capacity=96)
+    first = engine.submit(BatchRequest(pool[0][0], DecodeConfig(max_new_tokens=LONGEST)))
+    second = engine.submit(BatchRequest(pool[1][0], DecodeConfig(max_new_tokens=4)))
+    engine.step()
+    engine.step()
+    engine.cancel(first)
+    finished = dict(engine.step().finished)
+    assert finished[first].stop_reason == "cancelled"
+    assert 2 <= len(finished[first].tokens) < LONGEST
+    assert finished[first].tokens == pool[0][1][: len(finished[first].tokens)]
+    assert list(engine.running) == [second]
+
+
+def test_requests_that_cannot_run_are_refused_at_submit(target, drafter):
+    engine = BatchEngine(target, drafter, max_rows=2, row_capacity=40)
+    with pytest.raises(ValueError, match="needs 58 positions; a row holds 40"):
+        engine.submit(BatchRequest([1] * 20, DecodeConfig(max_new_tokens=30)))
+    with pytest.raises(ValueError, match="this batch engine runs 'eager'"):
+        engine.submit(BatchRequest([1], DecodeConfig(engine_mode="compiled")))
+    with pytest.raises(ValueError, match="generate decodes one request, got a batch of 2"):
+        engine.submit(BatchRequest([[1, 2], [3, 4]], DecodeConfig()))
+    no_drafter = BatchEngine(target, None, max_rows=2, row_capacity=40)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        no_drafter.submit(BatchRequest([1], DecodeConfig(policy="ddtree", max_new_tokens=4)))
+    assert engine.idle and no_drafter.idle
+
+
+def test_the_transformers_wrapper_is_refused_naming_what_runs_batched():
+    hf = tiny_hf_target("qwen3")
+    with pytest.raises(EngineModeError, match="decodes one request at a time"):
+        BatchEngine(hf, None, max_rows=2)
+
+
+def test_the_packed_mask_is_each_rows_own_static_mask():
+    """Packed rows see exactly what each would see alone (``static_attention_mask`` over its
+    own region), and nothing of the other rows' regions."""
+    gen = torch.Generator().manual_seed(0)
+    cap, lengths = 10, [3, 0, 6]
+    segments = []
+    for row, m in ((0, 3), (2, 4), (1, 2)):
+        vis = torch.rand(m, m, generator=gen) < 0.5
+        vis = (vis.tril() | torch.eye(m, dtype=torch.bool)).contiguous()
+        segments.append(Segment(row, torch.zeros(m, dtype=torch.int64), torch.arange(m), vis))
+    inputs = pack(segments, lengths, cap)
+    keys = torch.arange(3 * cap)
+    mask = packed_rows_mask(inputs.row_lo, inputs.row_new, inputs.visibility, keys, torch.float32)
+    at = 0
+    for s in segments:
+        m = s.tokens.shape[0]
+        own = static_attention_mask(
+            torch.tensor(lengths[s.row]), s.visibility, torch.arange(cap), torch.float32
+        )
+        expected = torch.full((m, 3 * cap), torch.finfo(torch.float32).min)
+        expected[:, s.row * cap : (s.row + 1) * cap] = own
+        assert torch.equal(mask[at : at + m], expected), s.row
+        at += m
+
+
+def test_the_worked_example_of_the_packed_mask():
+    row_lo = torch.tensor([0, 0, 4])
+    row_new = torch.tensor([2, 2, 5])
+    vis = torch.tensor([[1, 0], [1, 1], [1, 0]], dtype=torch.bool)
+    mask = packed_rows_mask(row_lo, row_new, vis, torch.arange(6), torch.float32)
+    visible = [set(torch.nonzero(r == 0).flatten().tolist()) for r in mask]
+    assert visible == [{0, 1, 2}, {0, 1, 2, 3}, {4, 5}]
+
+
+@pytest.mark.slow
+def test_compiled_rows_equal_ar_and_the_same_requests_alone(target, drafter, pool):
+    """Compiled mode: trees through the compiled width buckets, joining prompts eagerly."""
+    engine = BatchEngine(
+        target, drafter, max_rows=3, row_capacity=96, engine_mode="compiled", width=33
+    )
+    assert engine.compile_s > 0
+    configs = [
+        DecodeConfig(policy=p, max_new_tokens=n, engine_mode="compiled")
+        for p, n in (("ddtree", 20), ("chain", 9), ("ar", 14), ("ddtree", 25), ("ddtree", 5))
+    ]
+    results = engine.run([BatchRequest(pool[i][0], c) for i, c in enumerate(configs)])
+    for i, (got, c) in enumerate(zip(results, configs, strict=True)):
+        assert got.tokens == pool[i][1][: c.max_new_tokens], i
