@@ -16,7 +16,13 @@ from ddtree.engine.stop import StopCondition
 from ddtree.models.rows import Segment, pack
 from ddtree.models.static import EngineModeError, packed_rows_mask, static_attention_mask
 
-from .helpers import ScriptedDrafter, random_dflash_drafter, tiny_hf_target, tiny_mla_target
+from .helpers import (
+    ScriptedDrafter,
+    decoder_from_hf,
+    random_dflash_drafter,
+    tiny_hf_target,
+    tiny_mla_target,
+)
 
 VOCAB = 61
 LONGEST = 28  # max_new_tokens of the AR references: every trial asks for at most this many
@@ -146,6 +152,36 @@ def test_rows_join_as_others_leave_first_come_first_served(target, drafter, pool
     assert started == ids
     for i, n in enumerate(lengths):
         assert done[ids[i]].tokens == pool[i][1][:n]
+
+
+def _naive_twin(target):
+    """The same MLA+MoE weights with the naive (materialised keys) attention."""
+    from ddtree.models.mla_moe import MlaMoeModel, MlaMoeTarget
+
+    model = MlaMoeModel(target.model.config, attn_impl="naive")
+    model.load_state_dict(target.model.state_dict())
+    return MlaMoeTarget(model, capacity=64)
+
+
+@pytest.mark.parametrize("family", ["mla-absorbed", "mla-naive", "qwen3-decoder"])
+def test_every_target_family_decodes_rows_equal_to_ar(target, pool, family):
+    model = {
+        "mla-absorbed": lambda: target,
+        "mla-naive": lambda: _naive_twin(target),
+        "qwen3-decoder": lambda: decoder_from_hf(tiny_hf_target("qwen3").model),
+    }[family]()
+    drafter = random_dflash_drafter(model, 8, output_multiplier=0.3)
+    configs = [
+        DecodeConfig(policy=p, max_new_tokens=12) for p in ("ddtree", "chain", "ar", "ddtree")
+    ]
+    prompts = [pool[i][0] for i in range(len(configs))]
+    expected = [
+        generate(model, None, x, DecodeConfig(policy="ar", max_new_tokens=12)).tokens
+        for x in prompts
+    ]
+    engine = BatchEngine(model, drafter, max_rows=3, row_capacity=64)
+    results = engine.run([BatchRequest(x, c) for x, c in zip(prompts, configs, strict=True)])
+    assert [r.tokens for r in results] == expected
 
 
 def test_a_cancelled_row_frees_its_slot_and_keeps_what_it_made(target, drafter, pool):

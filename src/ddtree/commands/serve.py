@@ -45,10 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "else the target folder's name)",
     )
     p.add_argument(
+        "--max-batch",
+        type=int_in(1, 256, what="requests decoded together"),
+        default=1,
+        help="requests decoded together (continuous batching: one target forward verifies "
+        "every running request's tree; our targets only, not --impl hf) (default: %(default)s)",
+    )
+    p.add_argument(
         "--max-queue",
         type=non_negative_int,
         default=64,
-        help="requests that may wait behind the one decoding; past it, 503 with Retry-After "
+        help="requests that may wait behind the ones decoding; past it, 503 with Retry-After "
         "(default: %(default)s)",
     )
     p.add_argument(
@@ -151,6 +158,6 @@ def run(args: argparse.Namespace) -> int:
     models = load_models(args, need_drafter=need_drafter, engine_modes=(args.engine_mode,))
     serve(
         models, settings, sock, args.records, args.device, access_log=args.access_log,
-        shutdown_timeout_s=args.shutdown_timeout,
+        shutdown_timeout_s=args.shutdown_timeout, max_batch=args.max_batch,
     )  # fmt: skip
     return 0

@@ -79,6 +79,8 @@ class BatchStep:
 
     rows: int  # requests in the step's target forward
     finished: list[tuple[int, GenerationResult]] = field(default_factory=list)
+    step_s: float = 0.0  # the step's wall seconds (every row's step)
+    tokens: int = 0  # tokens the step gave its rows (a joining row's first token included)
 
 
 class BatchEngine:
@@ -220,12 +222,14 @@ class BatchEngine:
             row.root = acc.bonus_token
         clock.mark("commit")
         timing = clock.end(0)
+        made = 0
         for row in rows:
             result, joined = row.result, row in joining
             before = len(result.tokens)
             result.tokens.extend(new_tokens[row.id])
             stop = row.stop.scan(result.tokens, before)
             tau = len(result.tokens) - before
+            made += tau
             if joined:
                 result.prefill_s = timing.step_s
             else:
@@ -235,7 +239,19 @@ class BatchEngine:
                 row.request.on_commit(result.tokens[before:])
             if stop is not None:
                 finished.append(self._leave(row, stop))
-        return BatchStep(len(rows), finished)
+        return BatchStep(len(rows), finished, timing.step_s, made)
+
+    def abort(self) -> list[int]:
+        """Drop every request, running or waiting, without results (a step failed under
+        them); their ids. The rows are free for the next requests."""
+        ids = [*self.running, *(i for i, _ in self.waiting)]
+        for row in list(self.running.values()):
+            del self.running[row.id]
+            self.rows_target.release(row.slot)
+            self._free.append(row.slot)
+        self.waiting.clear()
+        self._dropped = []
+        return ids
 
     def _forward(self, segments: list[Segment]):
         """Eager: one forward. Compiled: the trees through the compiled graphs, prompts (no

@@ -136,18 +136,16 @@ class AttentionInputs:
         row_new: torch.Tensor,  # [W] int64: that request's first new slot (lo + its S)
         node: torch.Tensor,  # [W] int64: the new row's index in its request's tree
         visibility: torch.Tensor,  # [W, Mx] bool: its row of that tree's visibility
-        n_keys: int,  # T: slots 0 .. T-1 attended over (every request's region below T)
+        keys: torch.Tensor,  # [T] int64: the cache slots attended over (any order)
         dtype: torch.dtype,
     ) -> AttentionInputs:
         """Several requests in one forward (``ddtree.engine.batch``): no maskless prefix
         (P = 0); every key is a tail key under :func:`packed_rows_mask`, so a request sees
         only its own region of the cache. Row ``q`` is written at ``row_new + node``."""
-        device = visibility.device
-        slots = torch.arange(n_keys, device=device)
         return cls(
-            prefix_keys=slots[:0],
-            tail_slots=slots,
-            tail_mask=packed_rows_mask(row_lo, row_new, visibility, slots, dtype),
+            prefix_keys=keys[:0],
+            tail_slots=keys,
+            tail_mask=packed_rows_mask(row_lo, row_new, visibility, keys, dtype),
             write_slots=row_new + node,
         )
 

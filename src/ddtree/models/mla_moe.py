@@ -25,6 +25,7 @@ shared adapter ``ddtree.models.target.CachedTarget``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -390,10 +391,13 @@ class Attention(nn.Module):
 
     def _naive(self, q_nope, q_rope, rows, attn: AttentionInputs) -> torch.Tensor:
         """Materialise per-head keys and values from the latent rows the forward attends
-        (``0 .. P+T-1``): [nh, M, dv]. The values are zero-padded to the key width (the fused
+        (the prefix ``0 .. P-1`` and the tail slots): [nh, M, dv]. The values are zero-padded to the key width (the fused
         kernels take one head size)."""
         c = self.config
-        seen = rows[: attn.prefix_len + attn.tail_slots.shape[0]]  # [P+T, r + rope_dim]
+        p = attn.prefix_len  # the prefix rows, then the tail's slots (anywhere in the cache)
+        seen = torch.cat([rows[:p], rows[attn.tail_slots]])  # [P+T, r + rope_dim]
+        t = attn.tail_slots.shape[0]
+        attn = dataclasses.replace(attn, tail_slots=p + torch.arange(t, device=rows.device))
         latent, k_rope = seen.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(latent).view(seen.shape[0], self.heads, -1).transpose(0, 1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [nh, P+T, *]

@@ -5,12 +5,13 @@ regions; row ``r``'s committed keys sit at slots ``r * row_capacity .. + S_r - 1
 packs *segments*, one per row taking part: a prompt (a causal chain, committed whole) or a
 verify tree (committed by acceptance), ``W`` new rows in all. The model runs its usual
 forward over the W rows (the linear layers and experts read their weights once for every
-request); attention goes through ``AttentionInputs.packed``: every key is a masked tail key
-and a request sees only its own region (``ddtree.models.static.packed_rows_mask``).
+request); attention goes through ``AttentionInputs.packed``: the keys are every row's used
+slots, all masked tail keys, and a request sees only its own
+(``ddtree.models.static.packed_rows_mask``).
 
 Engine modes: eager runs each forward at its exact width; compiled pads the packed rows to a
-width bucket and attends over every region (static shapes), one graph per bucket, compiled
-by :meth:`RowsTarget.set_engine_mode`. The models never know which.
+width bucket and the keys to a multiple of ``KV_CHUNK`` (the one dynamic dimension), one graph
+per bucket, compiled by :meth:`RowsTarget.set_engine_mode`. The models never know which.
 
 Worked example (regions of 8 slots): row 0 has S = 3 committed, row 1 joins with a prompt of
 2 tokens. A forward of [row 0: a tree of 2 nodes; row 1: its prompt] has W = 4 new rows
@@ -32,6 +33,8 @@ from ddtree.models.static import (
     EngineModeError,
     EnginePlan,
     cache_input,
+    kv_bucket,
+    mark_key_dim,
 )
 from ddtree.models.target import CachedTarget, CausalLM
 from ddtree.tree.layout import compaction_indices
@@ -64,22 +67,25 @@ class PackedInputs:
     row_new: torch.Tensor  # [W] int64: its first new slot (lo + S)
     node: torch.Tensor  # [W] int64: index within its segment
     visibility: torch.Tensor  # [W, Mx] bool: the row's visibility row, False-padded
+    keys: torch.Tensor  # [T] int64: the cache slots attended over (each row's used slots)
     arange: torch.Tensor  # [max(W, Mx)] int64: 0, 1, ... (filling help, not an input)
+    key_buffer: torch.Tensor | None = None  # compiled: what ``keys`` is a view of
 
     @classmethod
     @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
-    def empty(cls, width: int, cols: int, device: torch.device) -> PackedInputs:
-        def ints():
-            return torch.zeros(width, dtype=torch.int64, device=device)
+    def empty(cls, width: int, cols: int, keys: int, device: torch.device) -> PackedInputs:
+        def ints(n=width):
+            return torch.zeros(n, dtype=torch.int64, device=device)
 
         visibility = torch.zeros(width, cols, dtype=torch.bool, device=device)
         arange = torch.arange(max(width, cols), device=device)
-        return cls(ints(), ints(), ints(), ints(), ints(), visibility, arange)
+        buffer = ints(keys)
+        return cls(ints(), ints(), ints(), ints(), ints(), visibility, buffer, arange, buffer)
 
     def fields(self) -> tuple[torch.Tensor, ...]:
         """The forward's inputs, in :func:`forward_rows`' order."""
         return (self.tokens, self.positions, self.row_lo, self.row_new, self.node,
-                self.visibility)  # fmt: skip
+                self.visibility, self.keys)  # fmt: skip
 
 
 def forward_rows(
@@ -90,14 +96,14 @@ def forward_rows(
     row_new: torch.Tensor,  # [W] int64
     node: torch.Tensor,  # [W] int64
     visibility: torch.Tensor,  # [W, Mx] bool
+    keys: torch.Tensor,  # [T] int64: the slots attended over (the compiled graph's dynamic dim)
     caches: tuple[torch.Tensor, ...],
     capture_layers: tuple[int, ...],
-    n_keys: int,  # T: slots 0 .. T-1 attended over
     layers=None,  # compile scope "layer": the compiled decoder layers
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The packed forward of both engine modes (:class:`PackedInputs`' fields): (logits
     [W, V], hidden [W, F] or None)."""
-    attn = AttentionInputs.packed(row_lo, row_new, node, visibility, n_keys, caches[0].dtype)
+    attn = AttentionInputs.packed(row_lo, row_new, node, visibility, keys, caches[0].dtype)
     out = model(tokens, positions, attn, caches, capture_layers, layers)
     return out.logits, out.hidden
 
@@ -110,17 +116,33 @@ def pack(
     spare: int = 0,
 ) -> PackedInputs:
     """The packed inputs of ``segments`` after each row's ``lengths[row]`` committed tokens.
-    ``out`` (compiled mode): fill these preallocated inputs of a width bucket instead; its
-    rows past the segments are padding, written into the spare region at slot ``spare`` on,
-    each seeing only itself.
+    The keys are each row's committed and new slots, in row order (attention reads those
+    alone, however large the regions). ``out`` (compiled mode): fill these preallocated
+    inputs of a width bucket instead; its rows past the segments are padding, written into
+    the spare region at slot ``spare`` on, each seeing only itself; the keys are padded with
+    spare slots to a multiple of ``KV_CHUNK`` (the graph's one dynamic dimension).
 
     Example: regions of 8, lengths [3, 0], segments [row 0: tree of 2, row 1: prompt of 2]
-    -> positions [3, 4, 0, 1], row_lo [0, 0, 8, 8], row_new [3, 3, 8, 8], node [0, 1, 0, 1]."""
+    -> positions [3, 4, 0, 1], row_lo [0, 0, 8, 8], row_new [3, 3, 8, 8], node [0, 1, 0, 1],
+    keys [0, 1, 2, 3, 4, 8, 9]."""
     total = sum(int(s.tokens.shape[0]) for s in segments)
+    device = segments[0].tokens.device
+    used = [
+        torch.arange(lengths[s.row] + int(s.tokens.shape[0]), device=device) + s.row * row_capacity
+        for s in segments
+    ]
     if out is None:
-        device = segments[0].tokens.device
         cols = max(int(s.tokens.shape[0]) for s in segments)
-        out = PackedInputs.empty(total, cols, device)
+        out = PackedInputs.empty(total, cols, 0, device)
+        out.keys = torch.cat(used)
+    else:  # the real keys, then every padding row's own slot, then spare slots to a chunk
+        w = out.visibility.shape[0]
+        used.append(spare + out.arange[:w])
+        n = sum(int(u.shape[0]) for u in used)
+        keys = out.key_buffer[: kv_bucket(n)]
+        keys.fill_(spare)
+        keys[:n] = torch.cat(used)
+        out.keys = mark_key_dim(keys)
     w, cols = out.visibility.shape
     if total > w:
         raise ValueError(f"{total} packed rows do not fit the width bucket {w}")
@@ -195,7 +217,8 @@ class RowsTarget:
         one = torch.zeros(1, dtype=torch.int64, device=self.device)
         root = Segment(0, one, one, torch.ones(1, 1, dtype=torch.bool, device=self.device))
         for width in plan.widths:
-            static = self._static.get(width) or PackedInputs.empty(width, width, self.device)
+            keys = kv_bucket(self.spare + width)  # every region full, and the padding rows
+            static = self._static.get(width) or PackedInputs.empty(width, width, keys, self.device)
             self._static[width] = static
             if (width, self.capture_layers) in self._warm:
                 continue
@@ -233,11 +256,9 @@ class RowsTarget:
             logits, hidden = self._run_compiled(inputs)
         else:
             inputs = pack(segments, self.lengths, self.row_capacity)
-            n_keys = int((inputs.row_new + inputs.node).max()) + 1
             logits, hidden = forward_rows(
-                self.target.model, *inputs.fields(), self.cache.tensors(), self.capture_layers,
-                n_keys,
-            )  # fmt: skip
+                self.target.model, *inputs.fields(), self.cache.tensors(), self.capture_layers
+            )
         outs, at = [], 0
         for s in segments:
             m = int(s.tokens.shape[0])
@@ -250,9 +271,7 @@ class RowsTarget:
 
     def _run_compiled(self, inputs: PackedInputs):
         caches = tuple(cache_input(c, self.cache.capacity_dim) for c in self.cache.tensors())
-        return self._compiled(
-            self.target.model, *inputs.fields(), caches, self.capture_layers, self.cache.capacity
-        )
+        return self._compiled(self.target.model, *inputs.fields(), caches, self.capture_layers)
 
     def commit_prompt(self, row: int) -> None:
         """Keep all of the row's last segment (a prompt)."""

@@ -9,7 +9,7 @@ probes and scrapers.
 A request is checked before it is queued, each failure an OpenAI error object: the key (401),
 the body's size (413) and JSON (400), its fields (400, naming the parameter), the model
 (404), the prompt's tokens (400), the context (400, naming the lengths). Then admission: at
-most ``max_queue`` requests wait behind the one decoding; past that, 503 with a
+most ``max_queue`` requests wait behind the ones decoding (``--max-batch``); past that, 503 with a
 ``Retry-After`` derived from the mean request time so far. A client that disconnects cancels
 its job: dropped if queued, stopped at the next step if decoding.
 
@@ -72,7 +72,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class ServeSettings:
     model_name: str
     defaults: object  # DecodeConfig: policy, block, budget, engine mode, sampling defaults
-    max_queue: int  # requests that may wait behind the one decoding
+    max_queue: int  # requests that may wait behind the ones decoding
     max_body_bytes: int
     api_key: str | None = None
     seed: int = 0  # seeds the seeds of requests that give none
@@ -107,7 +107,7 @@ class Service:
         self.metrics = ServeMetrics(worker.totals, self.queue_depth, self.running)
 
     def running(self) -> int:
-        return int(self.worker.running is not None)
+        return len(self.worker.running)
 
     def queue_depth(self) -> int:
         return max(self.in_flight - self.running(), 0)
@@ -125,8 +125,7 @@ class Service:
         """A second stop signal: every request ends now (the running one at its next step)."""
         self.draining = True
         self.worker.drop_queued()
-        if self.worker.running is not None:
-            self.worker.running.cancel()
+        self.worker.cancel_running()
 
     async def drain(self, timeout_s: float) -> None:
         """After a stop signal: admit nothing more, end every queued request at once (each
@@ -138,8 +137,7 @@ class Service:
         deadline = loop.time() + timeout_s
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)
-        if self.worker.running is not None:
-            self.worker.running.cancel()
+        self.worker.cancel_running()
         self.worker.drop_queued()  # one the engine had not yet taken when the clock ran out
         deadline = loop.time() + 1.0  # the cancel lands at the next step
         while self.in_flight and loop.time() < deadline:
@@ -268,7 +266,7 @@ class Service:
 
     def admit(self, prompt_ids: list[int], config, endpoint: _Endpoint, arrived_s: float) -> Job:
         limit = self.settings.max_queue
-        if self.in_flight >= limit + 1:
+        if self.in_flight >= limit + self.worker.max_batch:
             raise APIError(
                 503,
                 f"the server is busy: {self.queue_depth()} requests are waiting for the engine "

@@ -37,6 +37,12 @@ class EngineTotals:
     stage_s: dict[Stage, float] = field(default_factory=lambda: dict.fromkeys(STEP_STAGES, 0.0))
     cancelled: int = 0
     cancel_s: float = 0.0  # sum over cancelled decodes: seconds from cancel to the stop
+    # engine steps as the engine ran them (a batched step once, whatever its rows)
+    engine_steps: int = 0
+    engine_s: float = 0.0  # wall seconds of those steps
+    engine_tokens: int = 0  # tokens they gave all their rows
+    row_steps: int = 0  # sum over engine steps of the rows in each (mean batch = / steps)
+    by_rows: dict[int, list[float]] = field(default_factory=dict)  # rows -> [steps, s, tokens]
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_result(self, result) -> None:
@@ -50,6 +56,19 @@ class EngineTotals:
             for step in result.steps:
                 for stage in STEP_STAGES:
                     self.stage_s[stage] += step.stage_s[stage]
+
+    def add_batch_step(self, rows: int, seconds: float, tokens: int, steps: int = 1) -> None:
+        """``steps`` engine steps of ``rows`` requests each, ``seconds`` of wall time in all,
+        that gave ``tokens`` tokens."""
+        with self._lock:
+            self.engine_steps += steps
+            self.engine_s += seconds
+            self.engine_tokens += tokens
+            self.row_steps += rows * steps
+            sums = self.by_rows.setdefault(rows, [0, 0.0, 0])
+            sums[0] += steps
+            sums[1] += seconds
+            sums[2] += tokens
 
     def add_cancel(self, seconds: float) -> None:
         with self._lock:
@@ -67,6 +86,11 @@ class EngineTotals:
                 dict(self.stage_s),
                 self.cancelled,
                 self.cancel_s,
+                self.engine_steps,
+                self.engine_s,
+                self.engine_tokens,
+                self.row_steps,
+                {rows: list(sums) for rows, sums in self.by_rows.items()},
             )
 
     @property
@@ -75,7 +99,8 @@ class EngineTotals:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.step_tokens / self.decode_s if self.decode_s else 0.0
+        """Tokens the engine's steps gave all their rows per second of those steps."""
+        return self.engine_tokens / self.engine_s if self.engine_s else 0.0
 
 
 class _EngineCollector:
@@ -121,9 +146,25 @@ class _EngineCollector:
         )
         yield GaugeMetricFamily(
             "ddtree_tokens_per_second",
-            "engine decode tokens/s (sum of tau / sum of step times), lifetime",
+            "engine tokens/s over all rows (tokens its steps gave / their wall seconds; a "
+            "batched step counted once), lifetime",
             t.tokens_per_s,
         )
+        yield GaugeMetricFamily(
+            "ddtree_batch_rows_mean",
+            "requests per engine step (the batch size), mean over the engine's steps",
+            t.row_steps / t.engine_steps if t.engine_steps else 0.0,
+        )
+        by_rows = {
+            "ddtree_batch_steps": ("engine steps, by the requests in each", 0),
+            "ddtree_batch_seconds": ("wall seconds of those steps, by batch size", 1),
+            "ddtree_batch_tokens": ("tokens those steps gave, by batch size", 2),
+        }
+        for name, (doc, column) in by_rows.items():
+            family = CounterMetricFamily(name, doc, labels=["rows"])
+            for rows, sums in sorted(t.by_rows.items()):
+                family.add_metric([str(rows)], sums[column])
+            yield family
         step_s = t.decode_s / t.steps if t.steps else 0.0
         yield GaugeMetricFamily("ddtree_step_seconds_mean", "mean seconds per decode step", step_s)
 
@@ -167,9 +208,9 @@ class ServeMetrics:
         Gauge("ddtree_queue_depth", "requests waiting for the engine", registry=r).set_function(
             queue_depth
         )
-        Gauge("ddtree_running_requests", "requests decoding now (0 or 1)", registry=r).set_function(
-            running
-        )
+        Gauge(
+            "ddtree_running_requests", "requests decoding now (up to --max-batch)", registry=r
+        ).set_function(running)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

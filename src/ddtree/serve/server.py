@@ -168,6 +168,7 @@ def serve(
     device: str,
     access_log: bool = False,
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
+    max_batch: int = 1,
 ) -> None:
     """Warm the engine up, then answer requests on ``sock`` until a stop signal (raised as
     ``Interrupted`` once the requests are answered and the records written)."""
@@ -190,7 +191,9 @@ def serve(
             result, job.config, len(job.prompt_ids), {**job.record_extra, "queue_s": job.queue_s}
         )
 
-    worker = EngineWorker(models, EngineTotals(), on_result=None if writer is None else recorded)
+    worker = EngineWorker(
+        models, EngineTotals(), on_result=None if writer is None else recorded, max_batch=max_batch
+    )
     defaults = settings.defaults
     # one full step after the prefill's token: every graph a request runs exists afterwards
     warm_s = worker.start(replace(defaults, max_new_tokens=defaults.block_size + 1), log)
@@ -204,7 +207,7 @@ def serve(
         budget = d.tree_budget
         print(
             f"ddtree serve: {url}/v1 (model {settings.model_name!r}, policy {d.policy}, "
-            f"block {d.block_size}, budget {budget}, {d.engine_mode})",
+            f"block {d.block_size}, budget {budget}, {d.engine_mode}, max batch {max_batch})",
             flush=True,
         )
 
