@@ -61,6 +61,29 @@ def test_bench_engine_writes_one_valid_record_per_config(target_dir, tmp_path, c
     assert "tok/s" in capsys.readouterr().out
 
 
+def test_bench_engine_concurrency_records_each_c_with_the_aggregate_rate(
+    target_dir, tmp_path, capsys
+):
+    """--concurrency C: every config at every C (requests decoded together); each record says
+    its C, and its tokens/s is all rows' (tokens / the batched steps' seconds): C times the
+    per-request rate when every step carries C rows."""
+    records = tmp_path / "c.jsonl"
+    argv = ["bench", "engine", "--target", str(target_dir), "--policies", "ar"]
+    argv += ["--prompts", str(target_dir / "prompts.json"), "--max-new-tokens", "6"]
+    argv += ["--records", str(records), "--concurrency", "1,3"]
+    assert main(argv) == 0
+    one, three = read_records(records)
+    assert (one.config["concurrency"], three.config["concurrency"]) == (1, 3)
+    assert three.config["identical_to_ar"] is True  # the AR rows equal AR at the same C
+    for rec in (one, three):
+        assert rec.summary["new_tokens"] == 18
+        per_row = rec.summary["mean_tau"] / rec.summary["step_s_mean"]
+        rows = rec.config["concurrency"]  # 3 prompts of 6 tokens: every step has all rows
+        assert rec.summary["tokens_per_s"] == pytest.approx(rows * per_row, rel=1e-6)
+    out = " ".join(capsys.readouterr().out.split())  # the caption wraps
+    assert "vs C=1" in out and "tok/s: all C rows'" in out
+
+
 def test_commands_report_bad_input_without_a_traceback(target_dir, tmp_path, capsys):
     assert main(["generate", "--target", str(tmp_path), "--policy", "ar", "--prompt", "w1"]) == 2
     assert "config.json" in capsys.readouterr().err

@@ -200,7 +200,7 @@ def test_a_cancelled_row_frees_its_slot_and_keeps_what_it_made(target, drafter, 
 
 def test_requests_that_cannot_run_are_refused_at_submit(target, drafter):
     engine = BatchEngine(target, drafter, max_rows=2, row_capacity=40)
-    with pytest.raises(ValueError, match="needs 58 positions; a row holds 40"):
+    with pytest.raises(ValueError, match="needs 83 cache slots; a row holds 40"):
         engine.submit(BatchRequest([1] * 20, DecodeConfig(max_new_tokens=30)))
     with pytest.raises(ValueError, match="this batch engine runs 'eager'"):
         engine.submit(BatchRequest([1], DecodeConfig(engine_mode="compiled")))

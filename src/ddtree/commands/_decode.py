@@ -314,9 +314,24 @@ def summary_tables(points, title: str):
     from ddtree.vocab import STEP_STAGES
 
     ratio = speedups(points)
-    head = Table(title=title, caption="vs AR, same as AR: against AR in the same engine mode")
-    for col in ("mode", "policy", "B", "N", "mean tau", "tok/s", "vs AR", "same as AR", "step ms"):
+    batched = any(p.concurrency > 1 for p in points)
+    caption = "vs AR, same as AR: against AR in the same engine mode" + (
+        " and at the same C; tok/s: all C rows'; vs C=1: the same config one at a time"
+        if batched
+        else ""
+    )
+    head = Table(title=title, caption=caption)
+    columns = ["mode", "policy", "B", "N", "mean tau", "tok/s", "vs AR", "same as AR", "step ms"]
+    if batched:
+        columns[2:2] = ["C"]
+        columns.append("vs C=1")
+    for col in columns:
         head.add_column(col, justify="left" if col in ("mode", "policy") else "right")
+    alone = {
+        (p.config.engine_mode, p.config.policy, p.config.budget): p
+        for p in points
+        if p.concurrency == 1
+    }
     stages = Table(
         title="ms per step by stage (ovhd: share of the step outside draft and verify forwards)",
         box=box.SIMPLE_HEAD,
@@ -330,7 +345,7 @@ def summary_tables(points, title: str):
         policy = c.rules
         block = str(c.block_size) if policy.needs_drafter else "-"
         budget = str(policy.budget(c.block_size, c.budget))
-        head.add_row(
+        row = [
             c.engine_mode,
             c.policy,
             block,
@@ -340,7 +355,12 @@ def summary_tables(points, title: str):
             f"{ratio[i]:.2f}x" if ratio[i] else "-",
             same,
             f"{s['step_s_mean'] * 1e3:.2f}",
-        )
+        ]
+        if batched:
+            row[2:2] = [str(p.concurrency)]
+            one = alone.get((c.engine_mode, c.policy, c.budget))
+            row.append(f"{s['tokens_per_s'] / one.summary['tokens_per_s']:.2f}x" if one else "-")
+        head.add_row(*row)
         stage_ms = [f"{s['stage_s_mean'][k] * 1e3:.2f}" for k in STEP_STAGES]
         stages.add_row(
             c.engine_mode, c.policy, budget, *stage_ms, f"{s['overhead_fraction'] * 100:.0f}%"
@@ -359,7 +379,7 @@ def regime_lines(points) -> list[str]:
 
     lines = []
     for mode in dict.fromkeys(p.config.engine_mode for p in points):
-        here = [p for p in points if p.config.engine_mode == mode]
+        here = [p for p in points if p.config.engine_mode == mode and p.concurrency == 1]
         ar = next((p for p in here if not p.config.rules.needs_drafter), None)
         trees = [p for p in here if p.config.policy == "ddtree"]
         if ar is None or not trees:

@@ -6,7 +6,13 @@ import argparse
 import time
 from pathlib import Path
 
-from ddtree.commands._args import int_list, non_negative_int, records_file, threads_label
+from ddtree.commands._args import (
+    int_list,
+    int_list_upto,
+    non_negative_int,
+    records_file,
+    threads_label,
+)
 from ddtree.commands._decode import (
     add_decode_arguments,
     add_model_arguments,
@@ -38,6 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--records", type=records_file, help="engine_run records file (default runs/engine-*.jsonl)"
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int_list_upto(256),
+        help="comma-separated request counts C decoded together (ddtree.engine.batch: one "
+        "target forward verifies every row's tree; the next prompt joins as one finishes); "
+        "tokens/s is then all rows' (default: one request at a time, prompt-major)",
     )
     add_engine_modes_argument(p, default="eager")
     add_decode_arguments(p, max_new_tokens=64)
@@ -77,7 +90,7 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
     finished (the last complete round of the sweep), marked ``interrupted``, and names them."""
     from ddtree.commands._output import console as make_console
     from ddtree.commands._output import note, progress
-    from ddtree.engine.sweep import sweep_rounds
+    from ddtree.engine.sweep import sweep_batched, sweep_rounds
     from ddtree.records import check_records_file, write_records
     from ddtree.signals import keep
 
@@ -94,8 +107,9 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
     title = title.format(threads=threads_label(args))
     ids = [models.codec.encode(p) for p in prompts]
     points = []  # over the prompts every config has finished so far
+    levels = args.concurrency or [1]
     try:
-        with progress("decoding", total=len(configs) * len(ids)) as bar:
+        with progress("decoding", total=len(configs) * len(ids) * len(levels)) as bar:
 
             def warmup(config) -> None:
                 if config.engine_mode != "eager":  # compiles the graphs it has not compiled yet
@@ -107,10 +121,17 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
             def advance(config, i, result):
                 bar.advance(f"{_label(config)} prompt {i + 1}")
 
-            for finished in sweep_rounds(
-                models.target, models.drafter, ids, configs, models.codec, advance,
-                on_warmup=warmup,
-            ):  # fmt: skip
+            if args.concurrency:  # each (C, config) over every prompt
+                rounds = sweep_batched(
+                    models.target, models.drafter, ids, configs, args.concurrency,
+                    models.codec, advance, on_warmup=warmup,
+                )  # fmt: skip
+            else:  # prompt-major rounds
+                rounds = sweep_rounds(
+                    models.target, models.drafter, ids, configs, models.codec, advance,
+                    on_warmup=warmup,
+                )  # fmt: skip
+            for finished in rounds:
                 points = finished
     except KeyboardInterrupt:
         if points:
@@ -168,6 +189,8 @@ def _records(args, models, ids, points, interrupted: str | None = None) -> list:
             prompt_lens=lens,
             extra={"identical_to_ar": p.identical_to_ar, **mark},
             compile_s=p.summary["compile_s"],
+            concurrency=p.concurrency,
+            summary=p.summary,
         )
         for p in points
     ]

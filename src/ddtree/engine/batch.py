@@ -81,14 +81,15 @@ class BatchStep:
     finished: list[tuple[int, GenerationResult]] = field(default_factory=list)
     step_s: float = 0.0  # the step's wall seconds (every row's step)
     tokens: int = 0  # tokens the step gave its rows (a joining row's first token included)
+    decoding: int = 0  # rows that verified a tree (the others joined: their prompt's prefill)
 
 
 class BatchEngine:
     """Continuous batching over one target (see the module docstring).
 
-    ``max_rows``: requests decoded together (C); ``row_capacity``: positions each holds
-    (prompt + new tokens + a block; default the target's ``max_position`` up to
-    ``DEFAULT_ROW_CAPACITY``). ``engine_mode`` and ``compile_scope`` hold for every request
+    ``max_rows``: requests decoded together (C); ``row_capacity``: cache slots each holds
+    (:func:`row_slots`; default the target's ``max_position``, at most
+    ``DEFAULT_ROW_CAPACITY``, and a tree of ``width``). ``engine_mode`` and ``compile_scope`` hold for every request
     (a request's config must agree); compiled mode compiles one graph per packed width
     bucket, ``rows x width`` for rows 1, 2, 4, ... up to ``max_rows``, at construction.
     ``profile_stages``: stamp every stage of a step (CUDA syncs), else the step only."""
@@ -108,7 +109,10 @@ class BatchEngine:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         limit = target.info.max_position or DEFAULT_ROW_CAPACITY
-        capacity = min(limit, DEFAULT_ROW_CAPACITY) if row_capacity is None else row_capacity
+        # a row's slots: its positions, and a whole tree past the last committed token
+        capacity = (
+            min(limit, DEFAULT_ROW_CAPACITY) + width if row_capacity is None else row_capacity
+        )
         models = [target] if drafter is None else [target, drafter]
         described = [(f"{m.info.name} ({m.info.implementation})", m.engine_modes) for m in models]
         check_engine_support(engine_mode, described)
@@ -141,12 +145,13 @@ class BatchEngine:
                 f"{self.engine_mode!r} for every request"
             )
         prompt = prompt_tensor(request.prompt_ids)
-        needed = check_context(self.target, int(prompt.numel()), config)
+        check_context(self.target, int(prompt.numel()), config)
+        needed = row_slots(int(prompt.numel()), config)
         if needed > self.row_capacity:
             raise ValueError(
                 f"a prompt of {prompt.numel()} tokens + max_new_tokens {config.max_new_tokens} "
-                f"+ a block needs {needed} positions; a row holds {self.row_capacity} "
-                "(raise the row capacity)"
+                f"+ a verify of {max(config.width_buckets())} tokens needs {needed} cache slots; "
+                f"a row holds {self.row_capacity} (raise the row capacity)"
             )
         drafter = request.drafter or self.drafter
         if config.rules.needs_drafter:
@@ -174,13 +179,21 @@ class BatchEngine:
     def idle(self) -> bool:
         return not self.waiting and not self.running and not self._dropped
 
-    def run(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
+    def run(
+        self,
+        requests: Sequence[BatchRequest],
+        on_step: Callable[[BatchStep], None] | None = None,
+    ) -> list[GenerationResult]:
         """Decode ``requests`` (at most ``max_rows`` at a time, the next joining as one
-        leaves); their results in order."""
+        leaves); their results in order. ``on_step`` sees every step (its rows, seconds and
+        tokens: what an aggregate tokens/s is made of)."""
         ids = [self.submit(r) for r in requests]
         done: dict[int, GenerationResult] = {}
         while not self.idle:
-            done.update(self.step().finished)
+            step = self.step()
+            if on_step is not None:
+                on_step(step)
+            done.update(step.finished)
         return [done[i] for i in ids]
 
     # --- the step -------------------------------------------------------------------------
@@ -239,7 +252,7 @@ class BatchEngine:
                 row.request.on_commit(result.tokens[before:])
             if stop is not None:
                 finished.append(self._leave(row, stop))
-        return BatchStep(len(rows), finished, timing.step_s, made)
+        return BatchStep(len(rows), finished, timing.step_s, made, len(verifying))
 
     def abort(self) -> list[int]:
         """Drop every request, running or waiting, without results (a step failed under
@@ -312,6 +325,13 @@ class BatchEngine:
         if self.tokenizer is not None:
             row.result.text = self.tokenizer.decode(row.result.tokens)
         return row.id, row.result
+
+
+def row_slots(prompt_len: int, config: DecodeConfig) -> int:
+    """Cache slots a request's row needs: every token it may commit (the prompt and
+    ``max_new_tokens``) and a whole verify tree written after them. Example: a prompt of 10,
+    64 new tokens, DDTree N = 32 (33 tree tokens) -> 107."""
+    return prompt_len + config.max_new_tokens + max(config.width_buckets())
 
 
 def _tree_segment(slot: int, tree: DraftTree, device: torch.device) -> Segment:

@@ -81,11 +81,19 @@ def engine_run_record(
     prompt_lens: Sequence[int] = (),
     extra: dict[str, Any] | None = None,
     compile_s: float | None = None,
+    concurrency: int = 1,
+    summary: dict[str, Any] | None = None,
 ) -> EngineRun:
     """The engine's record builder. ``extra`` keys go to the record's config as they are.
     ``compile_s``: compile time spent outside ``results`` (a sweep's warm-up request); default
     the results' own. ``threads`` is torch's CPU thread count as the record is made (the
-    runs that feed one calibration or one diagnosis should agree on it)."""
+    runs that feed one calibration or one diagnosis should agree on it). ``concurrency``:
+    requests decoded together; its ``summary`` (``ddtree.engine.sweep.sweep_batched``) holds
+    the aggregate tokens/s and the batched step's mean, which ``summarize`` of the rows'
+    results cannot tell."""
+    figures = summarize(results)
+    if summary is not None:
+        figures.update({k: v for k, v in summary.items() if k in figures})
     policy = config.rules
     compiled = config.engine_mode != EngineMode.EAGER
     return EngineRun(
@@ -108,9 +116,10 @@ def engine_run_record(
         compile_s=sum(r.compile_s for r in results) if compile_s is None else compile_s,
         tree_backend=tree_backend(),
         tp=getattr(target_info, "tp", 1),
+        concurrency=concurrency,
         threads=torch.get_num_threads(),
         prompt_set={"count": len(results), "lengths": list(prompt_lens)},
         config_extra=dict(extra or {}),
         points=step_points(results, prompt_lens),
-        **summarize(results),
+        **figures,
     )

@@ -25,6 +25,7 @@ class SweepPoint:
     summary: dict  # ``summarize(results)``: mean_tau, tokens_per_s, stage_s_mean, ...
     # greedy output equals the AR run's in the same engine mode; None without AR / sampled
     identical_to_ar: bool | None
+    concurrency: int = 1  # requests decoded together (C); tokens_per_s is then all rows'
 
 
 def sweep_rounds(
@@ -83,6 +84,61 @@ def sweep(
     return deque(rounds, maxlen=1)[0]
 
 
+def sweep_batched(
+    target: Target,
+    drafter: Drafter | None,
+    prompts: Sequence[Sequence[int]],
+    configs: Sequence[DecodeConfig],
+    concurrency: Sequence[int],
+    tokenizer=None,
+    on_result: Callable[[DecodeConfig, int, GenerationResult], None] | None = None,
+    on_warmup: Callable[[DecodeConfig], None] | None = None,
+) -> Iterator[list[SweepPoint]]:
+    """Every config at every concurrency C (``ddtree.engine.batch``: C requests decoded
+    together, the next prompt joining as one finishes); after each (C, config), yield the
+    points so far. A point's ``tokens_per_s`` is the aggregate over its rows (the tokens its
+    decode steps made / those steps' wall seconds; a step that only prefilled joining rows is
+    left out, as ``generate`` leaves its prefill out; a step where rows join beside decoding
+    ones is counted whole), ``step_s_mean`` a batched step's, ``rows_mean`` the decoding rows
+    per step. An untimed warm-up per (C, config) first (compiles, in compiled mode)."""
+    from ddtree.engine.batch import BatchEngine, BatchRequest, row_slots
+
+    if not prompts:
+        raise ValueError("no prompts to decode")
+    points: list[SweepPoint] = []
+    for c in concurrency:
+        for config in configs:
+            if on_warmup is not None:
+                on_warmup(config)
+            engine = BatchEngine(
+                target, drafter if config.rules.needs_drafter else None, max_rows=c,
+                row_capacity=max(row_slots(len(p), config) for p in prompts),
+                engine_mode=config.engine_mode, width=max(config.width_buckets()),
+                compile_scope=config.compile_scope, tokenizer=tokenizer,
+                profile_stages=config.profile_stages,
+            )  # fmt: skip
+            warm = replace(config, max_new_tokens=min(8, config.max_new_tokens))
+            compile_s = engine.compile_s
+            compile_s += sum(
+                r.compile_s for r in engine.run([BatchRequest(prompts[0], warm)] * min(c, 2))
+            )
+            steps = []
+            results = engine.run([BatchRequest(p, config) for p in prompts], steps.append)
+            if on_result is not None:
+                for i, result in enumerate(results):
+                    on_result(config, i, result)
+            summary = summarize(results)
+            decoding = [s for s in steps if s.decoding]  # not the steps that only prefilled
+            wall_s = sum(s.step_s for s in decoding)
+            summary["tokens_per_s"] = sum(sum(r.taus) for r in results) / wall_s
+            summary["step_s_mean"] = wall_s / len(decoding)
+            summary["rows_mean"] = sum(s.decoding for s in decoding) / len(decoding)
+            summary["compile_s"] = compile_s
+            points.append(SweepPoint(config, results, summary, None, c))
+            _compare_with_ar(points)
+            yield list(points)
+
+
 def _points(configs, results, compile_s) -> list[SweepPoint]:
     points = []
     for config, out, warm_s in zip(configs, results, compile_s, strict=True):
@@ -107,7 +163,7 @@ def _compare_with_ar(points: list[SweepPoint]) -> None:
                 c.stop_strings,
                 c.eos_token_ids,
                 c.engine_mode,
-            )
+            ) and ar.concurrency == point.concurrency
             if a.rules is AR and a.greedy and comparable:
                 point.identical_to_ar = all(
                     r.tokens == b.tokens for r, b in zip(point.results, ar.results, strict=True)
@@ -116,15 +172,16 @@ def _compare_with_ar(points: list[SweepPoint]) -> None:
 
 
 def speedups(points: Sequence[SweepPoint]) -> dict[int, float | None]:
-    """tokens/s of each point over the first AR point's in the same engine mode (a speedup vs
-    AR is on the same hardware and engine mode); index -> ratio, None without."""
-    base: dict[str, float] = {}
+    """tokens/s of each point over the first AR point's in the same engine mode and at the
+    same concurrency (a speedup vs AR is on the same hardware, engine mode and load);
+    index -> ratio, None without."""
+    base: dict[tuple[str, int], float] = {}
     for p in points:
         if p.config.rules is AR:
-            base.setdefault(p.config.engine_mode, p.summary["tokens_per_s"])
+            base.setdefault((p.config.engine_mode, p.concurrency), p.summary["tokens_per_s"])
     return {
-        i: (p.summary["tokens_per_s"] / base[p.config.engine_mode])
-        if p.config.engine_mode in base
+        i: (p.summary["tokens_per_s"] / base[key])
+        if (key := (p.config.engine_mode, p.concurrency)) in base
         else None
         for i, p in enumerate(points)
     }
