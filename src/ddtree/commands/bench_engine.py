@@ -107,7 +107,8 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
     title = title.format(threads=threads_label(args))
     ids = [models.codec.encode(p) for p in prompts]
     points = []  # over the prompts every config has finished so far
-    levels = args.concurrency or [1]
+    concurrency = getattr(args, "concurrency", None)  # ddtree demo sweeps one at a time
+    levels = concurrency or [1]
     try:
         with progress("decoding", total=len(configs) * len(ids) * len(levels)) as bar:
 
@@ -121,9 +122,9 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
             def advance(config, i, result):
                 bar.advance(f"{_label(config)} prompt {i + 1}")
 
-            if args.concurrency:  # each (C, config) over every prompt
+            if concurrency:  # each (C, config) over every prompt
                 rounds = sweep_batched(
-                    models.target, models.drafter, ids, configs, args.concurrency,
+                    models.target, models.drafter, ids, configs, concurrency,
                     models.codec, advance, on_warmup=warmup,
                 )  # fmt: skip
             else:  # prompt-major rounds
