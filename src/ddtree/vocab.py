@@ -218,6 +218,9 @@ POLICIES: dict[str, Policy] = {
 """name -> Policy. Adding a policy: one entry here."""
 
 DEFAULT_POLICY = "ddtree"
+AUTO_MAX_BUDGET = 64
+"""``--budget auto``: the tree each step is built at; the step verifies its best prefix
+(``ddtree.engine.budget``)."""
 """What a request or a scenario that names no policy runs."""
 
 

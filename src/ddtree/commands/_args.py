@@ -283,6 +283,29 @@ def int_list_upto(high: int | None) -> Callable[[str], list[int]]:
 
 int_list = int_list_upto(None)
 
+AUTO = "auto"
+
+
+def budget(text: str) -> int | str:
+    """An argparse type: a DDTree budget N in 1..8192, or ``auto`` (each step chooses,
+    ``ddtree.engine.budget``)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int_in(1, 8192, what="a budget")(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a budget in 1..8192 or 'auto', got {text!r}"
+        ) from None
+
+
+def budget_list(text: str) -> list[int | str]:
+    """An argparse type: "8,32,auto" -> [8, 32, "auto"]."""
+    values = [budget(x) for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated budgets, got {text!r}")
+    return values
+
 
 def add_renamed(p: argparse.ArgumentParser, old: str, new: str, why: str) -> None:
     """A flag that moved: ``old`` is refused with one line naming ``new`` (hidden in --help)."""

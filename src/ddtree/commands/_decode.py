@@ -11,6 +11,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from ddtree.commands._args import (
+    AUTO,
     add_alias,
     add_dtype_argument,
     add_threads_argument,
@@ -23,14 +24,19 @@ from ddtree.commands._args import (
     seed,
     set_threads,
 )
+from ddtree.commands._args import (
+    budget as budget_arg,
+)
 from ddtree.files import read_input_bytes
 from ddtree.utf8 import check_text, decode_text
 from ddtree.vocab import (
+    AUTO_MAX_BUDGET,
     DEFAULT_POLICY,
     POLICIES,
     SAMPLING_FLOORS,
     Drafting,
     EngineMode,
+    get_policy,
     policies_help,
 )
 
@@ -126,9 +132,11 @@ def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
     p.add_argument("--block", type=positive_int, default=8, help="block size B (drafter slots)")
     p.add_argument(
         "--budget",
-        type=positive_int,
+        type=budget_arg,
         default=32,
-        help="DDTree budget N, non-root nodes (default: %(default)s)",
+        help="DDTree budget N, non-root nodes, or 'auto': each step verifies the best prefix "
+        f"of a {AUTO_MAX_BUDGET}-node tree for this machine's measured verify cost, the load "
+        "and each request's recent acceptance (default: %(default)s)",
     )
     p.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sampling top-k (0: off)")
@@ -180,10 +188,13 @@ def decode_config(args: argparse.Namespace, policy: str, budget: int | None = No
     """A ``DecodeConfig`` from the arguments ``add_decode_arguments`` added."""
     from ddtree.engine import DecodeConfig
 
+    n = args.budget if budget is None else budget
+    auto = n == AUTO and get_policy(policy).uses_budget
     return DecodeConfig(
         policy=policy,
         block_size=args.block,
-        budget=args.budget if budget is None else budget,
+        budget=(AUTO_MAX_BUDGET if auto else 32) if n == AUTO else n,
+        auto_budget=auto,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -304,6 +315,10 @@ def demo_prompts(path: Path | None = None) -> list[str]:
     return [check_text(p, f"{what}: prompt {i}") for i, p in enumerate(prompts)]
 
 
+def _key(config) -> tuple:
+    return (config.engine_mode, config.policy, config.budget, config.auto_budget)
+
+
 def summary_tables(points, title: str):
     """Two rich tables, one row per sweep point: the headline figures, and the stage
     breakdown in ms per step (split so each fits an 80-column terminal)."""
@@ -327,11 +342,7 @@ def summary_tables(points, title: str):
         columns.append("vs C=1")
     for col in columns:
         head.add_column(col, justify="left" if col in ("mode", "policy") else "right")
-    alone = {
-        (p.config.engine_mode, p.config.policy, p.config.budget): p
-        for p in points
-        if p.concurrency == 1
-    }
+    alone = {_key(p.config): p for p in points if p.concurrency == 1}
     stages = Table(
         title="ms per step by stage (ovhd: share of the step outside draft and verify forwards)",
         box=box.SIMPLE_HEAD,
@@ -345,6 +356,8 @@ def summary_tables(points, title: str):
         policy = c.rules
         block = str(c.block_size) if policy.needs_drafter else "-"
         budget = str(policy.budget(c.block_size, c.budget))
+        if c.auto_budget:
+            budget = f"auto<={budget}"
         row = [
             c.engine_mode,
             c.policy,
@@ -358,7 +371,7 @@ def summary_tables(points, title: str):
         ]
         if batched:
             row[2:2] = [str(p.concurrency)]
-            one = alone.get((c.engine_mode, c.policy, c.budget))
+            one = alone.get(_key(c))
             row.append(f"{s['tokens_per_s'] / one.summary['tokens_per_s']:.2f}x" if one else "-")
         head.add_row(*row)
         stage_ms = [f"{s['stage_s_mean'][k] * 1e3:.2f}" for k in STEP_STAGES]

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ddtree.commands._args import (
-    int_list,
+    budget_list,
     int_list_upto,
     non_negative_int,
     records_file,
@@ -36,7 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated, of {policies_help()}",
     )
     p.add_argument(
-        "--budgets", type=int_list, default=[8, 16, 32, 64, 128], help="DDTree budgets N"
+        "--budgets",
+        type=budget_list,
+        default=[8, 16, 32, 64, 128],
+        help="DDTree budgets N; 'auto' chooses each step (--budget auto)",
     )
     p.add_argument("--prompts", type=Path, help="JSON list of prompt strings (default: demo's)")
     p.add_argument(
@@ -78,7 +81,7 @@ def configs_from_args(args: argparse.Namespace):
 
 
 def _label(config) -> str:
-    budget = config.tree_budget
+    budget = f"auto<={config.tree_budget}" if config.auto_budget else config.tree_budget
     return f"{config.engine_mode} {config.policy} B={config.block_size} N={budget}"
 
 
@@ -188,7 +191,11 @@ def _records(args, models, ids, points, interrupted: str | None = None) -> list:
             models.drafter_path,
             device=args.device,
             prompt_lens=lens,
-            extra={"identical_to_ar": p.identical_to_ar, **mark},
+            extra={
+                "identical_to_ar": p.identical_to_ar,
+                "auto_budget": p.config.auto_budget,
+                **mark,
+            },
             compile_s=p.summary["compile_s"],
             concurrency=p.concurrency,
             summary=p.summary,

@@ -30,6 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.engine.budget import (
+    AutoBudget,
+    Calibration,
+    VerifyCost,
+    chain_tree,
+    cost_widths,
+    measure_verify_cost,
+    node_probs,
+)
 from ddtree.engine.loop import DecodeConfig, GenerationResult, check_context, prompt_tensor
 from ddtree.engine.propose import Proposer, proposer_for
 from ddtree.engine.sample import sampler_for
@@ -68,6 +77,7 @@ class _Row:
     sampler: object
     stop: StopCondition
     result: GenerationResult
+    calibration: Calibration = field(default_factory=Calibration)  # --budget auto
     root: int | None = None  # None until its prompt is prefilled
     tree: DraftTree | None = None
     cancelled: bool = False
@@ -105,6 +115,7 @@ class BatchEngine:
         compile_scope: str = "model",
         tokenizer=None,
         profile_stages: bool = True,
+        auto_budget: bool = False,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -118,7 +129,7 @@ class BatchEngine:
         check_engine_support(engine_mode, described)
         self.rows_target = RowsTarget(target, max_rows, capacity)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
-        self.max_rows, self.row_capacity = max_rows, capacity
+        self.max_rows, self.row_capacity, self.width = max_rows, capacity, width
         self.engine_mode, self.compile_scope = engine_mode, compile_scope
         self.device = torch.device(target.device)
         self.clock = StageClock.for_device(self.device, profile_stages)
@@ -132,6 +143,11 @@ class BatchEngine:
         self.running: dict[int, _Row] = {}  # request id -> its row
         self._dropped: list[tuple[int, GenerationResult]] = []  # cancelled while waiting
         self._free = list(range(max_rows - 1, -1, -1))
+        # --budget auto: this machine's cost of a forward over W packed tokens, measured now
+        self.auto: AutoBudget | None = None
+        if auto_budget:
+            cost = self._verify_cost(plan.widths if engine_mode != "eager" else ())
+            self.auto = AutoBudget(cost, fixed_s=cost(max_rows))
 
     # --- requests -------------------------------------------------------------------------
     def submit(self, request: BatchRequest) -> int:
@@ -152,6 +168,11 @@ class BatchEngine:
                 f"a prompt of {prompt.numel()} tokens + max_new_tokens {config.max_new_tokens} "
                 f"+ a verify of {max(config.width_buckets())} tokens needs {needed} cache slots; "
                 f"a row holds {self.row_capacity} (raise the row capacity)"
+            )
+        if config.auto_budget and self.auto is None:
+            raise ValueError(
+                "budget auto: this batch engine was built without a verify cost curve "
+                "(BatchEngine(auto_budget=True))"
             )
         drafter = request.drafter or self.drafter
         if config.rules.needs_drafter:
@@ -212,6 +233,7 @@ class BatchEngine:
         verifying = [r for r in rows if r.root is not None]
         for row in verifying:  # each proposer stamps draft, topk, build
             row.tree = row.proposer.propose(row.root, clock)
+        self._choose_budgets(joining, verifying)
         segments = [Segment.prompt(r.slot, r.prompt.to(self.device)) for r in joining]
         segments += [_tree_segment(r.slot, r.tree, self.device) for r in verifying]
         clock.mark("layout")
@@ -230,11 +252,14 @@ class BatchEngine:
             row.proposer.observe(out.hidden)
             new_tokens[row.id] = [row.root]
         for row, out, acc in zip(verifying, tree_outs, accepts, strict=True):
+            row.calibration.observe(float(node_probs(row.tree).sum()), acc.tau - 1)
             row.proposer.observe(out.hidden, acc.accepted)
             new_tokens[row.id] = row.tree.tokens[acc.accepted[1:]].tolist() + [acc.bonus_token]
             row.root = acc.bonus_token
         clock.mark("commit")
         timing = clock.end(0)
+        if self.auto is not None:
+            self.auto.observe_step(timing.step_s, sum(int(s.tokens.shape[0]) for s in segments))
         made = 0
         for row in rows:
             result, joined = row.result, row in joining
@@ -265,6 +290,43 @@ class BatchEngine:
         self.waiting.clear()
         self._dropped = []
         return ids
+
+    def _choose_budgets(self, joining: list[_Row], verifying: list[_Row]) -> None:
+        """``--budget auto`` rows: each tree cut to the prefix the step's best share of
+        verify tokens gives it (``ddtree.engine.budget.allocate``), the other rows' tokens
+        counted as they are."""
+        auto = [r for r in verifying if r.request.config.auto_budget]
+        if not auto:
+            return
+        fixed = sum(r.tree.n_nodes for r in verifying if not r.request.config.auto_budget)
+        if self.engine_mode == "eager":  # joining prompts share the forward
+            fixed += sum(int(r.prompt.numel()) for r in joining)
+        trees = self.auto.choose([r.tree for r in auto], [r.calibration for r in auto], fixed)
+        for row, tree in zip(auto, trees, strict=True):
+            row.tree = tree
+
+    def _verify_cost(self, buckets: tuple[int, ...]) -> VerifyCost:
+        """Time a forward over W tokens spread over every row (all free now), at W = 1, 2,
+        4, ... up to every row's widest tree (compiled: at its packed width buckets)."""
+        rows, device = self.rows_target, self.device
+
+        def forward(total: int) -> None:
+            share = -(-total // self.max_rows)
+            segments, left = [], total
+            for slot in range(self.max_rows):
+                m = min(share, left)
+                if m:
+                    tree = chain_tree(m, device)
+                    segments.append(Segment(slot, tree.tokens, tree.depth, tree.visibility))
+                left -= m
+            rows.forward(segments)
+            for slot in range(self.max_rows):
+                rows.release(slot)
+
+        widths = buckets or tuple(cost_widths(self.max_rows * self.width))
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        curve = measure_verify_cost(forward, widths, sync=sync)
+        return VerifyCost(curve.tokens, curve.seconds, tuple(buckets))
 
     def _forward(self, segments: list[Segment]):
         """Eager: one forward. Compiled: the trees through the compiled graphs, prompts (no

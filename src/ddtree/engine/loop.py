@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.engine.budget import budget_for
 from ddtree.engine.propose import check_runnable, proposer_for
 from ddtree.engine.sample import sampler_for
 from ddtree.engine.stop import StopCondition
@@ -70,6 +71,9 @@ class DecodeConfig:
     buckets: tuple[int, ...] = ()  # compiled verify width buckets; (): the policy's own width
     compile_scope: str = "model"  # compiled: the target's whole forward, or each "layer"
     profile_stages: bool = True  # time every stage of a step (False: the step only, no syncs)
+    # ``--budget auto``: each step verifies the best prefix of a tree of ``budget`` nodes for
+    # this machine's verify cost and the request's recent acceptance (ddtree.engine.budget)
+    auto_budget: bool = False
     # ``policy`` resolved once: every rule that follows from it (``ddtree.vocab.Policy``)
     rules: Policy = field(init=False, repr=False, compare=False)
 
@@ -97,6 +101,8 @@ class DecodeConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         check_sampling_floors(temperature=self.temperature, top_p=self.top_p)
+        if self.auto_budget and not policy.uses_budget:
+            raise ValueError(f"budget auto: policy {self.policy!r} has no budget to choose")
 
     @property
     def greedy(self) -> bool:
@@ -167,6 +173,7 @@ def generate(
     )
     compile_s = target.set_engine_mode(plan)  # resets the cache; EngineModeError if unsupported
     compile_s += proposer.set_engine_mode(plan)
+    budget = budget_for(config, target)  # measures the verify cost curve once, for auto
 
     clock.begin()
     out = target.prefill(prompt.to(device))
@@ -183,7 +190,7 @@ def generate(
     stop = stop_condition.scan(tokens, 0)  # the prefill's token can stop the request too
     while stop is None:
         clock.begin()
-        tree = proposer.propose(root, clock)  # stamps its own stages (draft, topk, build)
+        tree = budget.choose(proposer.propose(root, clock))  # stamps draft, topk, build
         layout = target.layout(tree)
         clock.mark("layout")
         out = target.verify(tree, layout)
@@ -201,6 +208,7 @@ def generate(
         tau = len(tokens) - before  # the step's tokens that are returned, after any stop
         result.steps.append(clock.end(tau))
         result.taus.append(tau)
+        budget.observe(tree, accept.tau, result.steps[-1].step_s)
         if on_commit is not None:
             on_commit(tokens[before:])
     result.stop_reason = stop

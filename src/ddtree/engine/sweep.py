@@ -115,7 +115,7 @@ def sweep_batched(
                 row_capacity=max(row_slots(len(p), config) for p in prompts),
                 engine_mode=config.engine_mode, width=max(config.width_buckets()),
                 compile_scope=config.compile_scope, tokenizer=tokenizer,
-                profile_stages=config.profile_stages,
+                profile_stages=config.profile_stages, auto_budget=config.auto_budget,
             )  # fmt: skip
             warm = replace(config, max_new_tokens=min(8, config.max_new_tokens))
             compile_s = engine.compile_s

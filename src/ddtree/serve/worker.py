@@ -238,6 +238,7 @@ class EngineWorker:
             compile_scope=config.compile_scope,
             tokenizer=models.codec,
             profile_stages=config.profile_stages,
+            auto_budget=config.auto_budget,
         )
         results = engine.run([BatchRequest(prompt, config)] * min(2, self.max_batch))
         compile_s = engine.compile_s + sum(r.compile_s for r in results)
