@@ -191,7 +191,9 @@ def random_drafter(
 
     vocab = target.info.vocab_size
     zeros = lambda: torch.zeros(vocab, dtype=torch.int64)  # noqa: E731
-    ids = draft_vocab_ids(draft_vocab, vocab, zeros, target.info.eos_token_ids)
+    # a shrunk preset (tiny-qwen3) keeps its family's EOS ids past its small vocabulary
+    eos = [t for t in target.info.eos_token_ids if t < vocab]
+    ids = draft_vocab_ids(draft_vocab, vocab, zeros, eos)
     from ddtree.models.compat import check_drafter_compat
     from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
 
