@@ -107,7 +107,7 @@ def load_token_counts(folder: str | Path, vocab_size: int) -> torch.Tensor:
     if not path.is_file():
         raise DraftVocabError(
             f"{FLAG}: {path} not found: the drafter has no token counts to choose its K tokens "
-            "from (ddtree train drafter writes them; docs/usage.md: Draft vocabulary)"
+            "from (ddtree train drafter writes them; docs/usage.md, Draft vocabulary)"
         )
     try:
         doc = json.loads(read_input_bytes(path, "a regular JSON file", COUNTS_FILE_LIMIT))
