@@ -223,6 +223,9 @@ CHECKPOINT_CASES = [
     Case("drafter-shape", f"{DD} --drafter {{w}}/d_shape", ("d_shape", "fc.weight")),
     Case("drafter-nan", f"{DD} --drafter {{w}}/d_nan --records {{w}}/work/run.jsonl", ("drafter", "NaN/inf")),
     Case("records-output-is-a-folder", f"{AR} --target {{w}}/target --records {{w}}/work", ("--records", "folder")),
+    Case("drafter-draft-vocab-no-counts", f"{DD} --drafter {{w}}/d_nocounts --draft-vocab 64", ("--draft-vocab", "d_nocounts/draft_vocab.json not found")),
+    Case("drafter-draft-vocab-short-counts", f"{DD} --drafter {{w}}/d_shortcounts --draft-vocab 64", ("--draft-vocab", "d_shortcounts/draft_vocab.json", "token_counts", "2048 integers", "got 3 entries")),
+    Case("drafter-draft-vocab-not-json", f"{DD} --drafter {{w}}/d_badcounts --draft-vocab 64", ("--draft-vocab", "d_badcounts/draft_vocab.json", "not a readable JSON file")),
 ]  # fmt: skip
 
 # ---- the replay, diagnose and all-reduce commands ------------------------------------------
@@ -309,6 +312,14 @@ def _build(w: Path) -> None:
     _edit_config(drafter, w / "d_block4", block_size=4)
     _edit_tensors(drafter, w / "d_shape", lambda t: t.update({"fc.weight": torch.ones(3, 3)}))
     _edit_tensors(drafter, w / "d_nan", lambda t: t["fc.weight"].fill_(float("nan")))
+    # --draft-vocab's token counts (draft_vocab.json beside the drafter): absent, short, not JSON
+    shutil.copytree(drafter, w / "d_nocounts")
+    (w / "d_nocounts" / "draft_vocab.json").unlink()
+    shutil.copytree(drafter, w / "d_shortcounts")
+    short = {"source": "test", "vocab_size": 3, "token_counts": [1, 2, 3]}
+    (w / "d_shortcounts" / "draft_vocab.json").write_text(json.dumps(short))
+    shutil.copytree(drafter, w / "d_badcounts")
+    (w / "d_badcounts" / "draft_vocab.json").write_text("{not json")
     (w / "scenarios").mkdir()
     for name, (old, new, _) in SCENARIO_CHANGES.items():
         assert old in SCENARIO, name

@@ -113,7 +113,20 @@ SAMPLING_CASES = [
     _flag("bench serve", "--top-p", "1e-300", TOP_P),
 ]
 
-CASES = DEVICE_CASES + TEXT_CASES + COMMAND_CASES + SAMPLING_CASES
+# ---- --draft-vocab K: a token count >= 1 (ddtree.models.draft_vocab) ---------------------
+
+DRAFT_VOCAB = "expected an integer >= 1"
+DRAFT_VOCAB_CASES = [
+    _flag(GEN, "--draft-vocab", "0", DRAFT_VOCAB, "got '0'"),
+    _flag(GEN, "--draft-vocab", "-5", DRAFT_VOCAB),
+    _flag(GEN, "--draft-vocab", "2.5", DRAFT_VOCAB, "got '2.5'"),
+    _flag(GEN, "--draft-vocab", "many", DRAFT_VOCAB),
+    _flag("bench engine", "--draft-vocab", "0", DRAFT_VOCAB),
+    _flag("bench shapes", "--draft-vocab", "1.5", DRAFT_VOCAB),
+    _flag("serve", "--draft-vocab", "0", DRAFT_VOCAB),
+]
+
+CASES = DEVICE_CASES + TEXT_CASES + COMMAND_CASES + SAMPLING_CASES + DRAFT_VOCAB_CASES
 
 
 def _build_cli(w: Path) -> None:

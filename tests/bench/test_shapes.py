@@ -75,6 +75,18 @@ def test_a_drafting_step_adds_the_drafter_and_the_lm_head_again(pair):
     assert dd == pytest.approx(sum(parts.values()))
 
 
+def test_a_draft_vocabulary_reads_k_rows_of_the_head_and_the_records_say_k(pair):
+    preset, target, _ = pair
+    oracle = OracleDrafter(OracleSpec(), random_drafter(preset, target, draft_vocab=100))
+    _, parts = step_bytes(DecodeConfig("ddtree", budget=32), target, oracle, 50, 0)
+    own = sum(p.numel() for p in oracle.base.model.parameters()) * 4
+    assert parts["drafter_weights"] == own + 100 * preset.target["hidden_size"] * 4
+    assert oracle.info.draft_vocab == 100 and oracle.draft_tokens is None  # synthetic ranks
+    # no corpus for random weights: the EOS tokens and the smallest ids
+    eos = [t for t in target.info.eos_token_ids if t < preset.target["vocab_size"]]
+    assert oracle.base.draft_tokens.tolist() == sorted({*eos, *range(100 - len(eos))})
+
+
 @pytest.mark.slow
 def test_bench_shapes_on_the_tiny_preset_writes_its_records(tmp_path, capsys):
     records = tmp_path / "shapes.jsonl"

@@ -78,6 +78,7 @@ class ScriptedDrafter:
     second or third or not at all, so trees have to branch to recover it."""
 
     engine_modes = ("eager", "compiled")  # nothing to compile: the same in both
+    draft_tokens = None  # proposes over the full vocabulary
 
     def __init__(self, script: list[int], vocab_size: int, block_size: int, hit=0.6, seed=0):
         self.script, self.vocab_size, self.block_size = script, vocab_size, block_size

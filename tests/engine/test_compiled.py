@@ -152,3 +152,24 @@ def test_compiled_dflash_propose_matches_eager_and_decodes_losslessly(target):
         for policy in ("chain", "ddtree"):
             out = generate(target, drafter, prompt, _cfg(policy, "compiled"))
             assert out.tokens == ar.tokens, (policy, prompt)
+
+
+def test_compiled_dflash_with_a_draft_vocabulary_matches_eager_and_decodes_losslessly(target):
+    drafter = _random_dflash(target, 4)
+    ids = torch.arange(0, 61, 3)  # K = 21 of V = 61
+    torch.manual_seed(1)
+    chunks = [torch.randn(n, 32) for n in (11, 1, 4, 2, 3)]
+    full = []
+    drafter.set_engine_mode(EnginePlan("eager", (WIDTH,), max_len=16))
+    full = [drafter.propose(c, 7 + i) for i, c in enumerate(chunks)]
+    drafter.restrict_vocab(ids)
+    drafter.set_engine_mode(EnginePlan("compiled", (WIDTH,), max_len=16))
+    for i, c in enumerate(chunks):
+        cut = drafter.propose(c, 7 + i)
+        assert cut.shape == (3, 21)
+        assert (cut - full[i][:, ids]).abs().max() <= TOL, i
+    for prompt in PROMPTS:
+        ar = generate(target, None, prompt, _cfg("ar", "compiled"))
+        for policy in ("chain", "ddtree"):
+            out = generate(target, drafter, prompt, _cfg(policy, "compiled"))
+            assert out.tokens == ar.tokens, (policy, prompt)

@@ -13,7 +13,7 @@ import torch
 from ddtree.engine import DecodeConfig, generate
 from ddtree.tree import process_logits
 
-from .helpers import ScriptedDrafter, tiny_mla_target
+from .helpers import ScriptedDrafter, random_dflash_drafter, tiny_mla_target
 
 VOCAB, PROMPT, BLOCK = 4, [1, 2, 3], 4
 
@@ -44,14 +44,22 @@ def _exact_distribution(target, n: int, temperature, top_k, top_p) -> dict[tuple
     return {seq: math.exp(lp) for seq, lp in probs.items()}
 
 
-def _chi2_against_exact(policy, budget, n, samples, temperature, top_k=0, top_p=1.0):
+def _chi2_against_exact(
+    policy, budget, n, samples, temperature, top_k=0, top_p=1.0, draft_tokens=None
+):
+    """``draft_tokens`` [K]: a random DFlash drafter proposing over those ids only (a draft
+    vocabulary) instead of the scripted one."""
     target = tiny_mla_target(seed=1, scale=0.3, vocab_size=VOCAB)
+    dflash = None
+    if draft_tokens is not None:
+        dflash = random_dflash_drafter(target, BLOCK, target_layer_ids=(0,), output_multiplier=0.1)
+        dflash.restrict_vocab(torch.tensor(draft_tokens))
     exact = _exact_distribution(target, n, temperature, top_k, top_p)
     exact.update({s: 0.0 for s in itertools.product(range(VOCAB), repeat=n) if s not in exact})
     counts = dict.fromkeys(exact, 0)
     script = [0] * 16  # the drafter's guesses are noise: acceptance does the work
     for seed in range(samples):
-        drafter = ScriptedDrafter(script, VOCAB, BLOCK, hit=0.5, seed=seed)
+        drafter = dflash or ScriptedDrafter(script, VOCAB, BLOCK, hit=0.5, seed=seed)
         cfg = DecodeConfig(
             policy,
             block_size=BLOCK,
@@ -77,6 +85,12 @@ def _chi2_against_exact(policy, budget, n, samples, temperature, top_k=0, top_p=
 )
 def test_sampled_decoding_follows_the_target_distribution(policy, budget, top_p):
     _chi2_against_exact(policy, budget, n=2, samples=1200, temperature=1.0, top_p=top_p)
+
+
+def test_sampled_decoding_with_a_draft_vocabulary_follows_the_target_distribution():
+    # the drafter proposes ids 0 and 2 only (its LM head computes 2 of 4 rows); tokens 1 and
+    # 3 come from the target's own draws, and the joint distribution is still the target's
+    _chi2_against_exact("ddtree", 6, n=2, samples=1200, temperature=1.0, draft_tokens=[0, 2])
 
 
 @pytest.mark.slow

@@ -277,3 +277,15 @@ def test_looped_moe_launches_per_touched_expert_only_in_eager_mode():
     per_expert = cost.KERNELS["routed_moe_per_expert"] * touched / 8 * K2T.num_moe_layers
     assert eager.launches == pytest.approx(graphs.launches + per_expert)
     assert graphs.launches == pytest.approx(fused.launches)
+
+
+def test_a_draft_vocabulary_costs_its_k_head_rows_and_a_top_k_over_k():
+    # --draft-vocab 32768 on a DFlash drafter: its head reads and multiplies K x hidden, not
+    # V x hidden; the top-k streams (B-1) x K float32 logits
+    P = params_at(default_params())
+    pt = _point(drafter=dataclasses.replace(DRAFTER, lm_head_vocab=32768))
+    c = cost.drafter_forward(K2T, pt, P)
+    head = 32768 * 7168
+    assert c.hbm_bytes == pytest.approx(1.5e9 * 2 / 8 + 2048 * 12288 / 8 + head * 2 / 8, rel=1e-9)
+    assert c.flops == pytest.approx(2 * 8 * 1.5e9 / 8 + 2 * 7 * head / 8, rel=1e-9)
+    assert cost.topk(K2T, pt, P).hbm_bytes == pytest.approx(7 * 32768 * 4 * 3, rel=1e-9)

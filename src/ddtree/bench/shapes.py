@@ -8,8 +8,8 @@ What a step must read (its memory roofline, DESIGN.md's vocabulary):
     target bytes(M) = every weight of the target once (routed experts: the expected distinct
                       experts M tokens touch, E (1 - (1 - k/E)^M) per layer, uniform routing)
                       + the M embedding rows + the KV cache of the S committed tokens
-    drafter bytes   = the drafter's weights + the target's LM head again (the drafter's logits)
-                      + its context keys and values
+    drafter bytes   = the drafter's weights + the LM head it computes (the target's again, or
+                      its K rows with a draft vocabulary) + its context keys and values
     step bytes      = target bytes(1) for AR; drafter bytes + target bytes(M) otherwise
     roofline fraction = step bytes / measured read bandwidth / measured step time
 
@@ -100,9 +100,9 @@ def step_bytes(
     }
     base = getattr(drafter, "base", None)
     if config.rules.needs_drafter and base is not None:
-        head = target.lm_head.weight
         own = sum(p.numel() * p.element_size() for _, p in weight_tensors(base.model))
-        parts["drafter_weights"] = float(own + head.numel() * head.element_size())
+        head = sum(p.numel() * p.element_size() for _, p in weight_tensors(base.draft_head))
+        parts["drafter_weights"] = float(own + head)
         parts["drafter_kv"] = kv_bytes((base._k, base._v), 1, context)
     return sum(parts.values()), parts
 

@@ -146,6 +146,15 @@ def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
         "--max-new-tokens", type=positive_int, default=max_new_tokens, help="tokens per prompt"
     )
     p.add_argument(
+        "--draft-vocab",
+        type=positive_int,
+        metavar="K",
+        help="the drafter proposes over the K most frequent tokens only (its LM head computes K "
+        "rows: a cheaper draft; the target still verifies the full vocabulary, so the output is "
+        "unchanged); the counts come from draft_vocab.json beside the drafter "
+        "(default: the full vocabulary)",
+    )
+    p.add_argument(
         "--buckets",
         type=int_list,
         default=[],
@@ -246,9 +255,11 @@ def load_models(
     args: argparse.Namespace,
     need_drafter: bool,
     engine_modes: tuple[str, ...] = ("eager",),
+    draft_vocab: int | None = None,
 ) -> LoadedModels:
     """Target, drafter and tokenizer from the model arguments; ``engine_modes`` the run will
-    use are refused first, from the checkpoints' config.json alone, when one cannot run them."""
+    use are refused first, from the checkpoints' config.json alone, when one cannot run them.
+    ``draft_vocab``: ``--draft-vocab`` K (``ddtree.models.load_drafter``)."""
     import torch
 
     from ddtree.models import DRAFTER_ENGINE_MODES, load_drafter, load_target, target_engine_modes
@@ -274,7 +285,9 @@ def load_models(
     )
     drafter = None
     if need_drafter:
-        drafter = load_drafter(drafter_path, target, dtype=dtype, device=args.device)
+        drafter = load_drafter(
+            drafter_path, target, dtype=dtype, device=args.device, draft_vocab=draft_vocab
+        )
     stored = checkpoint_dtype(target_path)
     if stored and stored != args.dtype:  # never a silent cast: say which way it went
         from ddtree.commands._output import note

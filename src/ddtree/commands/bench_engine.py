@@ -106,7 +106,7 @@ def run_sweep(args, configs, title: str, show_text: int = 0) -> int:
     need_drafter = any(c.rules.needs_drafter for c in configs)
     with progress("loading models"):
         modes = tuple(sorted({c.engine_mode for c in configs}))
-        models = load_models(args, need_drafter=need_drafter, engine_modes=modes)
+        models = load_models(args, need_drafter, engine_modes=modes, draft_vocab=args.draft_vocab)
     title = title.format(threads=threads_label(args))
     ids = [models.codec.encode(p) for p in prompts]
     points = []  # over the prompts every config has finished so far

@@ -203,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     need_drafter = configs[0].rules.needs_drafter
-    models = load_models(args, need_drafter=need_drafter, engine_modes=(args.engine_mode,))
+    models = load_models(
+        args, need_drafter, engine_modes=(args.engine_mode,), draft_vocab=args.draft_vocab
+    )
     _direct_pass(models, prompts[:1], configs[:1])  # warm-up (compiles in compiled mode)
     stack, starting = _serving(args, "ddtree-bench-serve-")
     with stack, starting as server:

@@ -62,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_ORACLE,
         help="the synthetic drafter's accuracy (ddtree.models.oracle) (default %(default)s)",
     )
+    p.add_argument(
+        "--draft-vocab",
+        type=positive_int,
+        metavar="K",
+        help="the drafter's LM head computes K rows, not V (its cost is measured; a random "
+        "target has no corpus, so the K are its EOS and smallest ids, and the oracle's proposals "
+        "stay synthetic over the full vocabulary) (default: the full vocabulary)",
+    )
     p.add_argument("--prompts", type=positive_int, default=2, help="random prompts (default 2)")
     p.add_argument("--context", type=positive_int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="(default 64)")
@@ -121,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     with progress(f"random weights for {preset.name}", total=n_tensors) as bar:
         tick = lambda n: bar.advance(f"{n / 1e6:.0f}M parameters")  # noqa: E731
         target = random_target(preset, dtype, device, max_len + 64, args.seed, tick)
-        oracle = OracleDrafter(oracle_spec, random_drafter(preset, target, args.seed + 1, tick))
+        base = random_drafter(preset, target, args.seed + 1, tick, args.draft_vocab)
+        oracle = OracleDrafter(oracle_spec, base)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [
         torch.randint(0, preset.target["vocab_size"], (args.context,), generator=gen).tolist()
@@ -205,6 +214,7 @@ def _report(args, preset, device, oracle, prompts, bandwidth, points, target) ->
         threads=torch.get_num_threads(),
         compile_scope=args.compile_scope,
         oracle=oracle.info.name,
+        draft_vocab=oracle.info.draft_vocab,
         bandwidth_bytes_per_s=bandwidth[0],
         bandwidth_source=bandwidth[2],
         rows=_rows(points, target, oracle, prompts, preset, bandwidth[0]),
@@ -287,6 +297,7 @@ class ShapesReport:
     bandwidth_bytes_per_s: float
     bandwidth_source: str
     rows: list
+    draft_vocab: int = 0  # rows of the drafter's LM head (--draft-vocab; 0: the full vocabulary)
 
     def _row(self, mode: str, policy: str, budget: int | None = None):
         for r in self.rows:
@@ -300,7 +311,7 @@ class ShapesReport:
         table = Table(
             title=f"ddtree bench shapes: random-weight {self.preset.name} ({self.dtype}, "
             f"{self.device}, {self.threads} threads, compile scope {self.compile_scope}); "
-            f"drafter: {self.oracle} (SYNTHETIC acceptance)",
+            f"drafter: {self.oracle} (SYNTHETIC acceptance){self._head_label()}",
             caption=f"GB/step: what a step must read (weights, experts touched, KV); roofline: "
             f"GB/step / {self.bandwidth_bytes_per_s / 1e9:.1f} GB/s ({self.bandwidth_source}) "
             f"/ step time. T(M)/T1: verify over the AR step's verify, same mode",
@@ -329,6 +340,10 @@ class ShapesReport:
                 f"{r.roofline_fraction:.0%}",
             )
         return table
+
+    def _head_label(self) -> str:
+        vocab = self.preset.target["vocab_size"]
+        return f", its LM head {self.draft_vocab} of {vocab} rows" if self.draft_vocab else ""
 
     def conclusions(self) -> list[str]:
         """What the table says about the regime, in a few measured sentences per mode."""
@@ -371,6 +386,7 @@ class ShapesReport:
             "compile_scope": self.compile_scope,
             "drafter": self.oracle,
             "synthetic_drafter": True,
+            "draft_vocab": self.draft_vocab,
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
             "bandwidth_source": self.bandwidth_source,
             "rows": [
@@ -406,6 +422,7 @@ class ShapesReport:
                 "shape_source": self.preset.sources,
                 "random_weights": True,
                 "synthetic_drafter": oracle.info.name,
+                "draft_vocab": self.draft_vocab,
                 "compile_scope": self.compile_scope,
                 "threads": self.threads,
                 "step_bytes": r.step_bytes,

@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         args,
         need_drafter=policy.needs_drafter,
         engine_modes=(args.engine_mode,),
+        draft_vocab=args.draft_vocab,
     )
     codec = models.codec
     if template is None:

@@ -155,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args)
     print(f"loading the models ({threads_label(args)}) ...", file=sys.stderr, flush=True)
     need_drafter = settings.defaults.rules.needs_drafter
-    models = load_models(args, need_drafter=need_drafter, engine_modes=(args.engine_mode,))
+    models = load_models(
+        args, need_drafter, engine_modes=(args.engine_mode,), draft_vocab=args.draft_vocab
+    )
     serve(
         models, settings, sock, args.records, args.device, access_log=args.access_log,
         shutdown_timeout_s=args.shutdown_timeout, max_batch=args.max_batch,

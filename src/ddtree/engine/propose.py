@@ -8,7 +8,10 @@ layers it reads (``capture_layers``), the hidden states of the tokens just commi
 - ``RootProposer`` (no drafter: ``ar``): the tree is the root alone (M = 1).
 - ``BlockTreeProposer`` (``Drafting.BLOCK``: ``chain``, ``ddtree``): one drafter forward over
   the block ``[root, MASK x (B-1)]``, the top-K of its logits per depth (K =
-  ``policy.candidates``), and the best-first tree of ``policy.budget(B, N)`` nodes.
+  ``policy.candidates``), and the best-first tree of ``policy.budget(B, N)`` nodes. A drafter
+  with a draft vocabulary (``Drafter.draft_tokens``) returns logits over its K tokens only: the
+  top-K is taken over those columns (log-probabilities renormalised over the K) and its
+  columns mapped back to vocabulary ids before the tree is built.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class BlockTreeProposer:
     policy: Policy
     budget: int  # non-root nodes of every tree: policy.budget(B, N)
     capture_layers: list[int] = field(default_factory=list)
+    draft_tokens: torch.Tensor | None = None  # [K] int64: column -> id; None: column = id
     _context: torch.Tensor | None = None  # [T, F] committed, not yet seen by the drafter
 
     def set_engine_mode(self, plan: EnginePlan) -> float:
@@ -81,12 +85,15 @@ class BlockTreeProposer:
         self._context = hidden if rows is None else hidden.index_select(0, rows.to(hidden.device))
 
     def propose(self, root: int, clock: StageClock) -> DraftTree:
-        logits = self.drafter.propose(self._context, root)  # [B-1, V]
+        logits = self.drafter.propose(self._context, root)  # [B-1, V] (or [B-1, K_vocab])
         clock.mark("draft")
         k = self.policy.candidates(self.budget, int(logits.shape[-1]))
-        top = tree_core.topk_logprobs(logits, k)  # logprobs, tokens: [B-1, K] each
+        top = tree_core.topk_logprobs(logits, k)  # logprobs, columns: [B-1, k] each
+        tokens = top.tokens  # [B-1, k] int64 vocabulary ids
+        if self.draft_tokens is not None:
+            tokens = self.draft_tokens[tokens.to(self.draft_tokens.device)].to(tokens.device)
         clock.mark("topk")
-        tree = tree_core.build_tree(root, top.logprobs, top.tokens, self.budget)
+        tree = tree_core.build_tree(root, top.logprobs, tokens, self.budget)
         clock.mark("build")
         return tree
 
@@ -103,7 +110,8 @@ def _block_tree(policy: Policy, drafter, block_size: int, budget: int, device):
             f"block_size {block_size} != the drafter's block_size {drafter.block_size}"
         )
     nodes = policy.budget(block_size, budget)
-    return BlockTreeProposer(drafter, policy, nodes, list(drafter.target_layer_ids))
+    draft_tokens = getattr(drafter, "draft_tokens", None)  # absent: an older full-V drafter
+    return BlockTreeProposer(drafter, policy, nodes, list(drafter.target_layer_ids), draft_tokens)
 
 
 PROPOSERS: dict[Drafting | None, Callable[..., Proposer]] = {

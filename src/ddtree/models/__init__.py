@@ -199,18 +199,29 @@ def load_drafter(
     target,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    draft_vocab: int | None = None,
 ):
     """Load a DFlash drafter directory for ``target`` (it shares the target's embedding and
-    LM head). ``dtype``/``device`` None: the target's."""
+    LM head). ``dtype``/``device`` None: the target's. ``draft_vocab`` K: propose over the K
+    most frequent tokens of the folder's ``draft_vocab.json`` counts and the target's
+    EOS tokens (``ddtree.models.draft_vocab``; None, or K >= V: the full vocabulary)."""
     from ddtree.models.checkpoint import read_config
+    from ddtree.models.draft_vocab import draft_vocab_ids, load_token_counts
 
     path = Path(path)
     config = read_config(path)
     check_drafter_compat(config, target.info, str(path / "config.json"))
     check_checkpoint(path, config)
+    vocab = target.info.vocab_size
+    ids = draft_vocab_ids(  # before the weights: a missing counts file fails fast
+        draft_vocab, vocab, lambda: load_token_counts(path, vocab), target.info.eos_token_ids
+    )
     from ddtree.models.dflash import DFlashDrafter
 
-    return DFlashDrafter.from_pretrained(path, target, dtype=dtype, device=device)
+    drafter = DFlashDrafter.from_pretrained(path, target, dtype=dtype, device=device)
+    if ids is not None:
+        drafter.restrict_vocab(ids)
+    return drafter
 
 
 __all__ = [

@@ -49,6 +49,9 @@ class ModelInfo:
     quantization: str = ""
     # the kernel of its linear layers (ddtree.models.linear): "aten" or "onednn-packed"
     linear_kernel: str = "aten"
+    # a drafter's draft vocabulary: the K rows of the LM head its proposes compute
+    # (ddtree.models.draft_vocab); 0: the full vocabulary
+    draft_vocab: int = 0
 
 
 @dataclass
@@ -104,6 +107,10 @@ class Drafter(Protocol):
     engine_modes: tuple[str, ...]
     block_size: int  # B: one root slot + B-1 mask slots
     target_layer_ids: list[int]  # which target hidden states it conditions on (HF indexing)
+    # the draft vocabulary: [K] int64 vocabulary ids, ascending, column j of propose's logits
+    # standing for id draft_tokens[j]; None (or absent, for drafters written before it): the
+    # full vocabulary, column = id (ddtree.models.draft_vocab)
+    draft_tokens: torch.Tensor | None
 
     def reset(self) -> None:
         """Drop the drafter's context cache."""
@@ -114,5 +121,7 @@ class Drafter(Protocol):
     def propose(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
         """Append ``context_hidden`` [T_new, F] (target hidden states of the tokens committed
         since the last call, in order) to the context, then run the block
-        ``[root, MASK x (B-1)]`` placed right after the context. Returns logits [B-1, V] for
-        the B-1 positions after the root."""
+        ``[root, MASK x (B-1)]`` placed right after the context. Returns logits [B-1, K] for
+        the B-1 positions after the root, over the K ids of ``draft_tokens`` (K = V with no
+        draft vocabulary). The target verifies whatever ids these become over the full
+        vocabulary, so a draft vocabulary can cost tau, never losslessness."""

@@ -455,7 +455,13 @@ class DFlashDrafter:
     are overwritten by the next propose. ``check_finite``: NaN/inf drafter logits raise
     :class:`NonFiniteLogitsError`. Engine modes as the target's (``ddtree.models.static``):
     compiled mode pads the new context to ``B`` rows (a longer first context is appended
-    eagerly first) and masks the padded keys."""
+    eagerly first) and masks the padded keys.
+
+    ``draft_tokens`` [K] int64 (ascending vocabulary ids; None: the full vocabulary): a reduced
+    draft vocabulary (``ddtree.models.draft_vocab``): :meth:`propose` computes the LM head over
+    those K rows only and returns logits [B-1, K], column j standing for id
+    ``draft_tokens[j]``. :meth:`propose_at` and :meth:`block_logits` (recording, training)
+    keep the full head."""
 
     engine_modes = ENGINE_MODES
     plain_linears: tuple[str, ...] = ()  # as the target's (ddtree.models.linear)
@@ -469,6 +475,7 @@ class DFlashDrafter:
         name="dflash",
         capacity: int = 256,
         check_finite: bool = True,
+        draft_tokens: torch.Tensor | None = None,
     ):
         self.model = model.eval()
         self.config = model.config
@@ -507,6 +514,35 @@ class DFlashDrafter:
         self._runner: EagerDraftStep | CompiledDraftStep = EagerDraftStep(self)
         self._graphs: CompiledDraftStep | None = None  # kept across plans: compiles once
         self.seen = 0  # committed tokens whose context keys/values are cached
+        self.draft_tokens: torch.Tensor | None = None  # [K] int64, None: the full vocabulary
+        self.draft_head: nn.Module = lm_head  # what propose's logits come from
+        if draft_tokens is not None:
+            self.restrict_vocab(draft_tokens)
+
+    def restrict_vocab(self, draft_tokens: torch.Tensor | None) -> None:
+        """Propose over ``draft_tokens`` [K] int64 (distinct vocabulary ids, ascending) only,
+        or over the full vocabulary again (None): the LM head's K rows are copied once here
+        (``draft_vocab.head_rows``). Proposes run eager until the next ``set_engine_mode``,
+        which compiles a compiled mode's graph again, for the new head."""
+        import dataclasses
+
+        from ddtree.models.draft_vocab import head_rows
+
+        vocab = self.config.vocab_size
+        if draft_tokens is None:
+            self.draft_tokens, self.draft_head = None, self.lm_head
+        else:
+            ids = draft_tokens.to(self.device, torch.int64)  # [K]
+            assert ids.dim() == 1, ids.shape
+            if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+                raise ValueError(f"draft_tokens must be non-empty ids in 0..{vocab - 1}")
+            if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+                raise ValueError("draft_tokens must be distinct ids in ascending order")
+            self.draft_tokens, self.draft_head = ids, head_rows(self.lm_head, ids)
+        k = 0 if self.draft_tokens is None else int(self.draft_tokens.shape[0])
+        self.info = dataclasses.replace(self.info, draft_vocab=k)
+        self.engine, self._runner, self._graphs = EnginePlan(), EagerDraftStep(self), None
+        self.reset()
 
     def reset(self) -> None:
         self.seen = 0
@@ -547,6 +583,8 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def propose(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
+        """The ``Drafter`` protocol's: logits [B-1, K] over ``draft_tokens`` (K = V and
+        column = id without a draft vocabulary)."""
         assert context_hidden.dim() == 2, context_hidden.shape  # [T_new, F]
         c, t_new = self.config, int(context_hidden.shape[0])
         if context_hidden.shape[1] != c.context_features:
@@ -635,7 +673,8 @@ class DFlashDrafter:
         masked: bool,  # keys past the block hidden (padded inputs)
     ) -> torch.Tensor:
         """Fill the step's inputs, call ``forward`` (:func:`_draft_step`, eager or compiled)
-        and count the new rows as seen. Returns logits [B-1, V]."""
+        and count the new rows as seen. Returns logits [B-1, K] (K = V without a draft
+        vocabulary)."""
         self._seen_t.fill_(self.seen)
         self._block_start.fill_(end)
         self._block[0, 0] = root_token
@@ -645,7 +684,7 @@ class DFlashDrafter:
         logits = forward(
             self.model,
             self.embed_tokens,
-            self.lm_head,
+            self.draft_head,
             context,
             self._seen_t,
             self._block,
@@ -803,7 +842,7 @@ def _draft_step(
     """One propose, eager or compiled: append the context rows, write the block's rows right
     after the real ones (over any padding), attend over slots ``0..K-1`` (``masked``: keys
     past the block hidden). Slot = position, so windowed/causal masks read the slots.
-    Returns logits [B-1, V]."""
+    Returns logits [B-1, V], or [B-1, K] when ``lm_head`` is a draft vocabulary's head."""
     _append_context(model, context_hidden, context_start, k_cache, v_cache)
     b = block_ids.shape[1]
     block_positions = (block_start + torch.arange(b, device=block_ids.device))[None]  # [1, B]
@@ -815,4 +854,4 @@ def _draft_step(
     ]
     valid = (key_positions < block_start + b)[None, None, None] if masked else None  # [1,1,1,K]
     hidden = model.block_hidden(emb, block_positions, views, key_positions[None], valid)
-    return model.logits(hidden[0, 1:], lm_head)
+    return model.logits(hidden[0, 1:], lm_head)  # [B-1, the head's rows]

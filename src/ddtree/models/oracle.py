@@ -133,9 +133,13 @@ class OracleDrafter:
             hidden_size=base.info.hidden_size if base is not None else 0,
             vocab_size=self.vocab_size,
             dtype=base.info.dtype if base is not None else "float32",
+            draft_vocab=base.info.draft_vocab if base is not None else 0,  # its head's cost
         )
         self.reference: list[int] = []
         self.seen = 0
+        # its proposals span the full vocabulary (synthetic ranks, module docstring), whatever
+        # draft vocabulary the base drafter's cost is paid at
+        self.draft_tokens = None
         # [ranks, B-1] float32 probabilities of each rank at each depth, their logs (the
         # proposed logits), and [ranks + 1, B-1] what the true token's rank is drawn from
         # (the last row: absent, the mass past the proposed ranks)

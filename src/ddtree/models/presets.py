@@ -180,8 +180,20 @@ def random_target(preset: Preset, dtype, device, capacity: int, seed: int = 0, p
     return target
 
 
-def random_drafter(preset: Preset, target, seed: int = 1, progress=None):
-    """The preset's DFlash drafter, random weights, on ``target``'s embedding and LM head."""
+def random_drafter(
+    preset: Preset, target, seed: int = 1, progress=None, draft_vocab: int | None = None
+):
+    """The preset's DFlash drafter, random weights, on ``target``'s embedding and LM head.
+    ``draft_vocab`` K: its proposes compute K rows of the head (``ddtree.models.draft_vocab``);
+    a random target has no corpus, so every count is equal and the K are its EOS tokens and
+    the smallest ids: the head's cost is real, which tokens it keeps is arbitrary."""
+    from ddtree.models.draft_vocab import draft_vocab_ids
+
+    vocab = target.info.vocab_size
+    zeros = lambda: torch.zeros(vocab, dtype=torch.int64)  # noqa: E731
+    # a shrunk preset (tiny-qwen3) keeps its family's EOS ids past its small vocabulary
+    eos = [t for t in target.info.eos_token_ids if t < vocab]
+    ids = draft_vocab_ids(draft_vocab, vocab, zeros, eos)
     from ddtree.models.compat import check_drafter_compat
     from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
 
@@ -192,7 +204,11 @@ def random_drafter(preset: Preset, target, seed: int = 1, progress=None):
     model = model.to_empty(device=target.device)
     randomize(model, seed, progress)
     drafter = DFlashDrafter(
-        model, target.embed_tokens, target.lm_head, name=f"random-{preset.name}-dflash"
+        model,
+        target.embed_tokens,
+        target.lm_head,
+        name=f"random-{preset.name}-dflash",
+        draft_tokens=ids,
     )
     prepare_linears(drafter)
     return drafter

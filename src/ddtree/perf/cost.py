@@ -1071,7 +1071,8 @@ def layer_floor(
 
 
 def drafter_forward(model: ModelShape, pt: Point, params: dict) -> Component | None:
-    """The drafter over the block (B slots), plus the target's LM head over B-1 slots."""
+    """The drafter over the block (B slots), plus the target's LM head over B-1 slots, or
+    its own head over a draft vocabulary of ``lm_head_vocab`` rows (``--draft-vocab K``)."""
     d = pt.drafter
     if d is None:
         return None
@@ -1081,7 +1082,12 @@ def drafter_forward(model: ModelShape, pt: Point, params: dict) -> Component | N
     )
     flops = 2.0 * C * B * d.params / tp
     launches = d.layers * KERNELS["drafter_layer"]
-    if d.shares_target_lm_head:
+    if d.lm_head_vocab:  # K rows of the head, copied at the drafter's precision
+        head = d.lm_head_vocab * model.hidden_size
+        nbytes = nbytes + head * PRECISION_BYTES[d.precision] / tp
+        flops = flops + 2.0 * C * (B - 1) * head / tp
+        launches += KERNELS["lm_head"]
+    elif d.shares_target_lm_head:
         nbytes = nbytes + model.lm_head_params * model.bytes_per_param("lm_head") / tp
         flops = flops + 2.0 * C * (B - 1) * model.lm_head_params / tp
         launches += KERNELS["lm_head"]
@@ -1099,10 +1105,12 @@ def candidates(model: ModelShape, pt: Point) -> int:
 
 
 def topk(model: ModelShape, pt: Point, params: dict) -> Component:
-    """log-softmax + top-K over the (B-1) x V drafter logits (float32): three passes."""
+    """log-softmax + top-K over the (B-1) x V drafter logits (float32): three passes (V: the
+    drafter's draft vocabulary when it has one)."""
+    vocab = (pt.drafter.lm_head_vocab if pt.drafter is not None else 0) or model.vocab_size
     return _stream(
         "top-k over (B-1) x V", Stage.TOPK, pt, params,
-        pt.requests_per_gpu * (pt.block_size - 1) * model.vocab_size * 4.0 * 3, KERNELS["topk"],
+        pt.requests_per_gpu * (pt.block_size - 1) * vocab * 4.0 * 3, KERNELS["topk"],
         "C x (B-1) x vocab x 4 B x 3 (log-softmax read + write, top-k read) / HBM bw",
     )  # fmt: skip
 

@@ -158,11 +158,15 @@ def _drafter_of(record: EngineRun) -> Drafter | None:
     if not isinstance(d, dict):
         return None
     dtype = _PREC.get(str(d.get("dtype") or "float32").replace("torch.", ""), "fp32")
+    # a draft vocabulary (--draft-vocab K): its own K-row copy of the target's LM head
+    draft_vocab = int(d.get("draft_vocab") or 0)
     return Drafter(
         params=float(d.get("n_params") or 0),
         layers=int(d.get("num_layers") or 1),
         precision=dtype,
+        shares_target_lm_head=not draft_vocab,
         source="engine_run record",
+        lm_head_vocab=draft_vocab,
     )
 
 

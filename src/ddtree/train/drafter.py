@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ddtree.files import publish, replace_atomically, staging_folder
 from ddtree.train.config import DrafterTrainConfig
 from ddtree.train.corpus import (
+    corpus_fingerprint,
     encode_stream,
     heldout_prompts,
     list_corpus,
@@ -194,10 +195,12 @@ def train_drafter(
     target = load_frozen_target(target_dir)
 
     with train_progress(disable=not show_progress) as bar:
+        # the training text's token ids: the sequences' prompts, and the drafter's token counts
+        # (--draft-vocab), a few seconds for the stdlib
+        stream = encode_stream(tok, read_texts(split.train), eos_id)
         if (out / SEQUENCES_FILE).is_file() and resume:
             sequences, prompt_len = load_sequences(out)
         else:
-            stream = encode_stream(tok, read_texts(split.train), eos_id)
             gen_task = bar.add_task("regenerate", total=cfg.n_sequences, loss="-", rate="")
             sequences = build_sequences(
                 target,
@@ -245,7 +248,11 @@ def train_drafter(
         return DrafterTrainResult(
             out, state.step, state.losses, state.elapsed_s, n_params, math.nan
         )
-    export_drafter(model, target, out)
+    from ddtree.models.draft_vocab import token_counts
+
+    counts = token_counts([stream], target.config.vocab_size)
+    where = json.dumps(corpus_fingerprint(split), sort_keys=True)
+    export_drafter(model, target, out, (counts, f"train split of the drafter's corpus {where}"))
     mean_tau = evaluate_drafter(target_dir, out, cfg, split, tok, eos_id)
     meta = {
         **run_config,
@@ -258,16 +265,20 @@ def train_drafter(
     return DrafterTrainResult(out, state.step, state.losses, state.elapsed_s, n_params, mean_tau)
 
 
-def export_drafter(model, target, out: Path) -> None:
-    """config.json (z-lab DFlash format) + model.safetensors in bfloat16."""
+def export_drafter(model, target, out: Path, counts: tuple | None = None) -> None:
+    """config.json (z-lab DFlash format) + model.safetensors in bfloat16, and with ``counts``
+    (token counts [V] int64, what they count) ``draft_vocab.safetensors`` (``--draft-vocab``)."""
     import copy
 
     from ddtree.models.dflash import DFlashDrafter
+    from ddtree.models.draft_vocab import save_token_counts
 
     export = copy.deepcopy(model).to(EXPORT_DTYPE)
     drafter = DFlashDrafter(export, target.get_input_embeddings(), target.get_output_embeddings())
     with staging_folder(out) as stage:  # both files in place together, or none of the new
         drafter.save_pretrained(stage)
+        if counts is not None:
+            save_token_counts(stage, *counts)
         publish(stage, Path(out))
 
 
