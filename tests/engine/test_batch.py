@@ -184,6 +184,22 @@ def test_every_target_family_decodes_rows_equal_to_ar(target, pool, family):
     assert [r.tokens for r in results] == expected
 
 
+def test_rows_of_a_reduced_draft_vocabulary_equal_ar(target, pool):
+    """--draft-vocab K: every row's drafter (forks of one) proposes over the same K ids with
+    the same head rows, and every greedy row still equals AR."""
+    drafter = random_dflash_drafter(target, 8, output_multiplier=0.3)
+    drafter.restrict_vocab(torch.arange(0, VOCAB, 3))
+    twin = drafter.fork()
+    assert twin.draft_head is drafter.draft_head and torch.equal(
+        twin.draft_tokens, drafter.draft_tokens
+    )
+    engine = BatchEngine(target, drafter, max_rows=3, row_capacity=96)
+    results = engine.run(
+        [BatchRequest(pool[i][0], DecodeConfig(max_new_tokens=15)) for i in range(5)]
+    )
+    assert [r.tokens for r in results] == [pool[i][1][:15] for i in range(5)]
+
+
 def test_a_cancelled_row_frees_its_slot_and_keeps_what_it_made(target, drafter, pool):
     engine = BatchEngine(target, drafter, max_rows=1, row_capacity=96)
     first = engine.submit(BatchRequest(pool[0][0], DecodeConfig(max_new_tokens=LONGEST)))

@@ -549,7 +549,8 @@ class DFlashDrafter:
 
     def fork(self) -> DFlashDrafter:
         """A drafter for another request decoded beside this one (``ddtree.engine.batch``):
-        the same modules and weights, a context cache of its own."""
+        the same modules, weights and draft vocabulary (its head rows shared, not copied), a
+        context cache of its own."""
         twin = DFlashDrafter(
             self.model,
             self.embed_tokens,
@@ -559,6 +560,7 @@ class DFlashDrafter:
             check_finite=self.check_finite,
         )
         twin.info = self.info
+        twin.draft_tokens, twin.draft_head = self.draft_tokens, self.draft_head
         return twin
 
     @torch.inference_mode()
