@@ -14,7 +14,12 @@ from ddtree.engine import DecodeConfig, generate
 from ddtree.engine.batch import BatchEngine, BatchRequest
 from ddtree.engine.stop import StopCondition
 from ddtree.models.rows import Segment, pack
-from ddtree.models.static import EngineModeError, packed_rows_mask, static_attention_mask
+from ddtree.models.static import (
+    EngineModeError,
+    EnginePlan,
+    packed_rows_mask,
+    static_attention_mask,
+)
 
 from .helpers import (
     ScriptedDrafter,
@@ -198,6 +203,29 @@ def test_rows_of_a_reduced_draft_vocabulary_equal_ar(target, pool):
         [BatchRequest(pool[i][0], DecodeConfig(max_new_tokens=15)) for i in range(5)]
     )
     assert [r.tokens for r in results] == [pool[i][1][:15] for i in range(5)]
+
+
+def test_forks_draft_together_as_each_drafts_alone(target):
+    """One forward for several requests' blocks (``propose_many``) gives each the logits its
+    own propose gives, over contexts of different lengths, twice in a row (the second
+    appends a few committed rows to each cache)."""
+    base = random_dflash_drafter(target, 8, output_multiplier=0.3)
+    base.set_engine_mode(EnginePlan())
+    gen = torch.Generator().manual_seed(3)
+    features = base.config.context_features
+    steps = [
+        [torch.randn(n, features, generator=gen) for n in (5, 1, 12)],
+        [torch.randn(n, features, generator=gen) for n in (2, 3, 1)],
+    ]
+    roots = [[4, 9, 60], [1, 2, 3]]
+    alone = [base.fork() for _ in range(3)]
+    together = [base.fork() for _ in range(3)]
+    for ctx, root in zip(steps, roots, strict=True):
+        expected = [d.propose(c, r) for d, c, r in zip(alone, ctx, root, strict=True)]
+        got = type(base).propose_many(together, ctx, root)
+        for e, g in zip(expected, got, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    assert [d.seen for d in together] == [d.seen for d in alone] == [7, 4, 13]
 
 
 def test_a_cancelled_row_frees_its_slot_and_keeps_what_it_made(target, drafter, pool):

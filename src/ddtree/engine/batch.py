@@ -40,7 +40,7 @@ from ddtree.engine.budget import (
     node_probs,
 )
 from ddtree.engine.loop import DecodeConfig, GenerationResult, check_context, prompt_tensor
-from ddtree.engine.propose import Proposer, proposer_for
+from ddtree.engine.propose import BlockTreeProposer, Proposer, proposer_for
 from ddtree.engine.sample import sampler_for
 from ddtree.engine.stop import StopCondition
 from ddtree.engine.timing import StageClock, StepTimings
@@ -50,6 +50,7 @@ from ddtree.models.static import EnginePlan, check_engine_support
 from ddtree.tree.types import DraftTree
 
 DEFAULT_ROW_CAPACITY = 2048
+AUTO_MIN_BUILD = 4  # --budget auto: the smallest tree a row builds (its choice may be less)
 """Positions a row holds when the engine is not told (capped by the target's max_position)."""
 
 
@@ -231,8 +232,7 @@ class BatchEngine:
         clock.begin()
         joining = [r for r in rows if r.root is None]
         verifying = [r for r in rows if r.root is not None]
-        for row in verifying:  # each proposer stamps draft, topk, build
-            row.tree = row.proposer.propose(row.root, clock)
+        self._propose(verifying, clock)
         self._choose_budgets(joining, verifying)
         segments = [Segment.prompt(r.slot, r.prompt.to(self.device)) for r in joining]
         segments += [_tree_segment(r.slot, r.tree, self.device) for r in verifying]
@@ -291,6 +291,31 @@ class BatchEngine:
         self._dropped = []
         return ids
 
+    def _propose(self, rows: list[_Row], clock: StageClock) -> None:
+        """Every row's tree. The rows whose drafters are forks of one (eager) draft in one
+        forward (``DFlashDrafter.propose_many``), then each builds its tree; the others
+        propose alone. Stamps draft, topk, build."""
+        drafting = [
+            r for r in rows
+            if isinstance(r.proposer, BlockTreeProposer)
+            and hasattr(r.proposer.drafter, "propose_many")
+        ]  # fmt: skip
+        together = [
+            r for r in drafting if r.proposer.drafter.batches_with(drafting[0].proposer.drafter)
+        ]
+        if len(together) > 1:
+            drafters = [r.proposer.drafter for r in together]
+            contexts = [r.proposer.pending_context() for r in together]
+            logits = type(drafters[0]).propose_many(drafters, contexts, [r.root for r in together])
+            clock.mark("draft")
+            for row, lg in zip(together, logits, strict=True):
+                row.tree = row.proposer.tree(row.root, lg, clock)
+        else:
+            together = []
+        for row in rows:
+            if row not in together:
+                row.tree = row.proposer.propose(row.root, clock)
+
     def _choose_budgets(self, joining: list[_Row], verifying: list[_Row]) -> None:
         """``--budget auto`` rows: each tree cut to the prefix the step's best share of
         verify tokens gives it (``ddtree.engine.budget.allocate``), the other rows' tokens
@@ -304,6 +329,10 @@ class BatchEngine:
         trees = self.auto.choose([r.tree for r in auto], [r.calibration for r in auto], fixed)
         for row, tree in zip(auto, trees, strict=True):
             row.tree = tree
+            # the next tree is built at twice this step's choice (up to the request's budget):
+            # room to grow, without drafting and building 64 nodes to verify a few
+            cap = row.request.config.tree_budget
+            row.proposer.budget = min(cap, max(AUTO_MIN_BUILD, 2 * (tree.n_nodes - 1)))
 
     def _verify_cost(self, buckets: tuple[int, ...]) -> VerifyCost:
         """Time a forward over W tokens spread over every row (all free now), at W = 1, 2,

@@ -87,6 +87,16 @@ class BlockTreeProposer:
     def propose(self, root: int, clock: StageClock) -> DraftTree:
         logits = self.drafter.propose(self._context, root)  # [B-1, V] (or [B-1, K_vocab])
         clock.mark("draft")
+        return self.tree(root, logits, clock)
+
+    def pending_context(self) -> torch.Tensor:
+        """[T, F] what the next propose hands the drafter (a batch drafts many at once:
+        ``ddtree.engine.batch``)."""
+        return self._context
+
+    def tree(self, root: int, logits: torch.Tensor, clock: StageClock) -> DraftTree:
+        """The step's tree from the drafter's logits [B-1, V or K_vocab]: top-K per depth
+        (stamped ``topk``), then best-first (``build``)."""
         k = self.policy.candidates(self.budget, int(logits.shape[-1]))
         top = tree_core.topk_logprobs(logits, k)  # logprobs, columns: [B-1, k] each
         tokens = top.tokens  # [B-1, k] int64 vocabulary ids

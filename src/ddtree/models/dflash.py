@@ -587,6 +587,12 @@ class DFlashDrafter:
     def propose(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
         """The ``Drafter`` protocol's: logits [B-1, K] over ``draft_tokens`` (K = V and
         column = id without a draft vocabulary)."""
+        self._check_propose(context_hidden, root_token)
+        logits = self._step(context_hidden.to(self.device, self.dtype), int(root_token))
+        self._check_logits(logits, root_token)
+        return logits
+
+    def _check_propose(self, context_hidden: torch.Tensor, root_token: int) -> None:
         assert context_hidden.dim() == 2, context_hidden.shape  # [T_new, F]
         c, t_new = self.config, int(context_hidden.shape[0])
         if context_hidden.shape[1] != c.context_features:
@@ -602,7 +608,8 @@ class DFlashDrafter:
             raise ValueError(
                 f"root_token={root_token} outside the vocabulary 0..{c.vocab_size - 1}"
             )
-        logits = self._step(context_hidden.to(self.device, self.dtype), int(root_token))
+
+    def _check_logits(self, logits: torch.Tensor, root_token: int) -> None:
         if self.check_finite:
             check_finite(
                 logits,
@@ -611,7 +618,78 @@ class DFlashDrafter:
                     f"context tokens (root {root_token}); stopping instead of drafting garbage"
                 ),
             )
-        return logits
+
+    def batches_with(self, other) -> bool:
+        """Whether ``other`` can propose in one forward with this drafter (:meth:`propose_many`):
+        a drafter of the same modules and draft vocabulary (a :meth:`fork`), running eagerly."""
+        return (
+            isinstance(other, DFlashDrafter)
+            and other.model is self.model
+            and other.draft_head is self.draft_head
+            and self.engine.mode == other.engine.mode == "eager"
+        )
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(
+        drafters: list[DFlashDrafter],
+        contexts: list[torch.Tensor],  # per drafter [T_new, F]: as propose's context_hidden
+        roots: list[int],
+    ) -> list[torch.Tensor]:
+        """``d.propose(context, root)`` of every drafter (forks of one: :meth:`batches_with`)
+        in one forward: the new context rows of all appended to each one's cache by one
+        projection, then the R blocks against their own contexts, padded to the longest and
+        masked (``DFlashModel.block_hidden``'s batched form), then one head over the R
+        blocks. Per drafter, logits [B-1, K]."""
+        first = drafters[0]
+        model, c, b, device = first.model, first.config, first.block_size, first.device
+        for d, ctx, root in zip(drafters, contexts, roots, strict=True):
+            d._check_propose(ctx, root)
+        new = [int(x.shape[0]) for x in contexts]
+        if sum(new):  # the new context rows of every drafter, projected together
+            rows = torch.cat(contexts).to(device, first.dtype)[None]  # [1, sum T, F]
+            slots = torch.cat(
+                [
+                    d.seen + torch.arange(t, device=device)
+                    for d, t in zip(drafters, new, strict=True)
+                ]
+            )
+            kv = model.context_kv(model.context(rows), slots[None])  # per layer [1, kvh, sum T, D]
+            at = 0
+            for d, t in zip(drafters, new, strict=True):
+                d._ensure(d.seen + t + b)
+                for layer, (k, v) in enumerate(kv):
+                    d._k[layer, d.seen : d.seen + t] = k[0, :, at : at + t].transpose(0, 1)
+                    d._v[layer, d.seen : d.seen + t] = v[0, :, at : at + t].transpose(0, 1)
+                d.seen += t
+                at += t
+        ends = torch.tensor([d.seen for d in drafters], device=device)  # [R]: each root's slot
+        longest = int(ends.max())
+        r = len(drafters)
+        contexts_kv = []
+        for layer in range(c.num_hidden_layers):
+            k = first._k.new_zeros(r, longest, *first._k.shape[2:])  # [R, C, kvh, D]
+            v = torch.zeros_like(k)
+            for i, d in enumerate(drafters):
+                k[i, : d.seen] = d._k[layer, : d.seen]
+                v[i, : d.seen] = d._v[layer, : d.seen]
+            contexts_kv.append((k.transpose(1, 2), v.transpose(1, 2)))  # [R, kvh, C, D]
+        block_positions = ends[:, None] + torch.arange(b, device=device)  # [R, B]
+        context_positions = torch.arange(longest, device=device).expand(r, longest)
+        keys = torch.cat([context_positions, block_positions], 1)  # [R, C + B]
+        visible = torch.cat(
+            [context_positions < ends[:, None], torch.ones(r, b, dtype=torch.bool, device=device)],
+            1,
+        )[:, None, None].expand(r, 1, b, longest + b)  # [R, 1, B, C + B]
+        ids = torch.full((r, b), c.mask_token_id, dtype=torch.int64, device=device)
+        ids[:, 0] = torch.tensor(roots, device=device)
+        emb = first.embed_tokens(ids).to(first.dtype) * c.input_embedding_scale
+        hidden = model.block_hidden(emb, block_positions, contexts_kv, keys, visible)
+        logits = model.logits(hidden[:, 1:], first.draft_head)  # [R, B-1, K]
+        out = list(logits.unbind(0))
+        for d, lg, root in zip(drafters, out, roots, strict=True):
+            d._check_logits(lg, root)
+        return out
 
     @torch.inference_mode()
     def propose_at(
