@@ -1,89 +1,94 @@
-"""No import circles inside ddtree: every import counts, those inside functions too (an import
-moved into a function to dodge a circle is still one)."""
+"""The import contracts of pyproject.toml ([tool.importlinter]: no circles, layers downwards
+only, an estimator without torch, a pure tree core) hold, and they catch what they name.
+
+import-linter counts every import, those inside functions too (an import moved into a function
+to dodge a circle is still one). Its circle contract (``acyclic_siblings``) looks at the
+modules and subpackages of each package; a package's ``__init__`` importing one of its own
+modules that imports the package back is not a circle between siblings, and it does not see
+that one (grimp cannot tell ``from ddtree.tree import _native``, a compiled module, from an
+import of the package, so such a check would misfire here).
+"""
 
 from __future__ import annotations
 
-import ast
-from importlib.machinery import EXTENSION_SUFFIXES
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import ddtree
 
-ROOT = Path(ddtree.__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = ROOT / "pyproject.toml"
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+CONTRACTS = [
+    c["name"] for c in tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"]
+]
 
 
-def import_graph(package: Path) -> dict[str, set[str]]:
-    """module -> the modules of ``package`` it imports. ``from pkg import name`` is an edge
-    to ``pkg.name`` when that is a module, else to ``pkg``; compiled extensions are leaves."""
-    base = package.parent
-    modules = {}
-    for path in package.rglob("*.py"):
-        parts = list(path.relative_to(base).with_suffix("").parts)
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for name, path in modules.items():
-        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                parent = here[: len(here) - node.level + 1] if node.level else []
-                mod = ".".join(parent + ([node.module] if node.module else []))
-                targets = [
-                    f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod
-                    for a in node.names
-                    if not _is_extension(base / mod.replace(".", "/"), a.name)
-                ]
-            else:
-                continue
-            graph[name].update(t for t in targets if t in modules and t != name)
-    return graph
+def lint_imports(src: Path, config: Path = PYPROJECT) -> subprocess.CompletedProcess:
+    """``lint-imports`` on the ``ddtree`` (or other root package) found first under ``src``."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
-def _is_extension(folder: Path, name: str) -> bool:
-    """A compiled module ``name`` in ``folder``: built, or its C++ source (before a build)."""
-    return any((folder / f"{name}{s}").exists() for s in [*EXTENSION_SUFFIXES, ".cpp"])
+def copy_package(tmp_path: Path) -> Path:
+    """The .py files of this ddtree under ``tmp_path/src`` (what the contracts read)."""
+    package = Path(ddtree.__file__).resolve().parent
+    src = tmp_path / "src"
+    shutil.copytree(
+        package,
+        src / "ddtree",
+        ignore=lambda folder, names: [
+            n for n in names if not n.endswith(".py") and not (Path(folder) / n).is_dir()
+        ],
+    )
+    return src
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected groups of more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while True:
-                w = stack.pop()
-                group.append(w)
-                if w == v:
-                    break
-            if len(group) > 1:
-                found.append(sorted(group))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
+def test_ddtree_keeps_its_import_contracts():
+    result = lint_imports(Path(ddtree.__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(CONTRACTS) >= 5
+    for name in CONTRACTS:
+        assert f"{name} KEPT" in result.stdout, result.stdout
 
 
-def test_ddtree_has_no_import_circle():
-    graph = import_graph(ROOT)
-    assert len(graph) > 50 and graph["ddtree.engine.loop"]  # it read the package
-    assert cycles(graph) == []
+def test_the_contracts_catch_an_upward_import_and_its_circle(tmp_path):
+    """models importing engine inside a function: the layers break, and so does the circle
+    (engine imports models)."""
+    src = copy_package(tmp_path)
+    (src / "ddtree" / "models" / "probe.py").write_text(
+        "def f():\n    from ddtree.engine import loop\n"
+    )
+    result = lint_imports(src)
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = result.stdout
+    assert "layers import downwards only BROKEN" in out
+    assert "no import circles among the modules and subpackages of any ddtree package BROKEN" in out
+    assert "ddtree.models.probe -> ddtree.engine.loop" in out
 
 
-def test_the_check_finds_a_circle_through_a_function_local_import(tmp_path):
+def test_the_contracts_catch_torch_in_the_estimator(tmp_path):
+    src = copy_package(tmp_path)
+    (src / "ddtree" / "perf" / "probe.py").write_text("import torch\n")
+    result = lint_imports(src)
+    assert result.returncode == 1, result.stdout + result.stderr
+    broken = [line for line in result.stdout.splitlines() if line.endswith(" BROKEN")]
+    assert broken == [
+        "the estimator reads records and configs: no torch, no models, no engine BROKEN"
+    ]
+
+
+def test_the_circle_contract_sees_a_function_local_import(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -91,4 +96,12 @@ def test_the_check_finds_a_circle_through_a_function_local_import(tmp_path):
     (pkg / "sub" / "a.py").write_text("from pkg import b\n")
     (pkg / "b.py").write_text("def f():\n    from .sub.a import x\n")
     (pkg / "leaf.py").write_text("import pkg.b\n")
-    assert cycles(import_graph(pkg)) == [["pkg.b", "pkg.sub.a"]]
+    config = tmp_path / "contracts.toml"
+    config.write_text(
+        '[tool.importlinter]\nroot_package = "pkg"\n\n[[tool.importlinter.contracts]]\n'
+        'name = "circles"\ntype = "acyclic_siblings"\nancestors = ["pkg"]\n'
+    )
+    result = lint_imports(tmp_path, config)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "circles BROKEN" in result.stdout
+    assert "- .sub -> .b (1 import)" in result.stdout

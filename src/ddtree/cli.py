@@ -15,7 +15,7 @@ import re
 import sys
 import warnings
 
-from ddtree.errors import DistributedError, NonFiniteLogitsError
+from ddtree.errors import DistributedError, MissingExtraError, NonFiniteLogitsError
 from ddtree.records import RecordWarning
 from ddtree.signals import exit_code, handle_signals, interrupted_line
 from ddtree.streams import BROKEN_PIPE_EXIT, broken_stdout, quiet_broken_stdout
@@ -197,9 +197,16 @@ def _run_command(run, args: argparse.Namespace) -> int:
                 return 2
             quiet_broken_stdout()
             return BROKEN_PIPE_EXIT
-        except (ValueError, OSError, NonFiniteLogitsError, DistributedError) as e:
-            # bad input (files, fields, arguments), a file that cannot be read or written, or
-            # a model emitting NaN/inf: the message names it; DDTREE_DEBUG=1 re-raises
+        except (
+            ValueError,
+            OSError,
+            NonFiniteLogitsError,
+            DistributedError,
+            MissingExtraError,
+        ) as e:
+            # bad input (files, fields, arguments), a file that cannot be read or written, a
+            # model emitting NaN/inf, or an optional extra not installed: the message names
+            # it; DDTREE_DEBUG=1 re-raises
             if os.environ.get("DDTREE_DEBUG"):
                 raise
             print(f"error: {_describe(e)}", file=sys.stderr)

@@ -4,14 +4,14 @@ and the cost model with no other edit (nothing tests a policy's name)."""
 from __future__ import annotations
 
 import pytest
-from tests.replay.helpers import EXAMPLE, make_trace
+from tests.replay.helpers import EXAMPLE, make_trace, replay_prompt
 
 from ddtree.engine import DecodeConfig, engine_run_record, generate
 from ddtree.perf import cost
 from ddtree.perf.catalog import load_catalog
 from ddtree.perf.model import load_model
 from ddtree.records import read_records, write_records
-from ddtree.replay.simulate import replay_points, replay_prompt
+from ddtree.replay.simulate import replay_points
 from ddtree.vocab import POLICIES, Drafting, Policy
 
 from .helpers import ScriptedDrafter, tiny_mla_target

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.replay.trace import ModelStamp, PromptInfo, Trace, TraceHeader
+from ddtree.replay.record import DEFAULT_TOP_K, record_prompts
+from ddtree.replay.simulate import PromptReplay, PromptReplayer
+from ddtree.replay.trace import ModelStamp, PromptInfo, Trace, TraceHeader, merge_traces
 
 
 def stamp(name="m", fingerprint=""):
@@ -36,3 +38,19 @@ EXAMPLE = dict(
     tokens=[[[6, 9], [8, 7]], [[7, 3], [4, 5]]],
     block_size=3,
 )
+
+
+def record_trace(target, drafter, prompts, max_new_tokens, top_k=DEFAULT_TOP_K, eos_token_ids=None):
+    """One trace over ``prompts``: ``record_prompts``' per-prompt traces, joined."""
+    return merge_traces(
+        list(
+            record_prompts(
+                target, drafter, prompts, max_new_tokens, top_k, eos_token_ids=eos_token_ids
+            )
+        )
+    )
+
+
+def replay_prompt(trace: Trace, index: int, policy: str, budget: int) -> PromptReplay:
+    """Replay prompt ``index`` of ``trace`` under ``policy`` (chain, ddtree) at ``budget``."""
+    return PromptReplayer(trace, index, policy).run([budget])[0]

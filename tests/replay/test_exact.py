@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 from tests.engine.helpers import random_dflash_drafter, tiny_hf_target, tiny_mla_target
+from tests.replay.helpers import record_trace, replay_prompt
 
 from ddtree.replay.check import check_against_engine
-from ddtree.replay.record import record_trace
-from ddtree.replay.simulate import replay_prompt
 
 # A 12-token vocabulary lets trees of 12..150 nodes cover whole depths, so random pairs
 # accept 2-3 draft tokens per step at the larger budgets.

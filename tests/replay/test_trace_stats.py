@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree.replay.simulate import PromptReplay, replay_points, replay_prompt
+from ddtree.replay.simulate import PromptReplay, replay_points
 from ddtree.replay.stats import bootstrap_interval, summarize
 from ddtree.replay.trace import (
     TraceError,
@@ -20,7 +20,7 @@ from ddtree.replay.trace import (
 )
 from ddtree.tree import build_tree
 
-from .helpers import EXAMPLE, make_trace
+from .helpers import EXAMPLE, make_trace, replay_prompt
 
 
 def test_worked_example_of_the_replay_walk():

@@ -50,7 +50,7 @@ def test_pack_bits_worked_example():
 
 def test_ancestor_bits_round_trip():
     tree = _tree(2, budget=100, k=6, vocab=12, n_depth=6)
-    bits = verify_layout(tree, 0).ancestor_bits()
+    bits = pack_bits(verify_layout(tree, 0).visibility)
     m = tree.n_nodes
     j = torch.arange(m)
     unpacked = ((bits[:, j // 64] >> (j % 64)) & 1).bool()

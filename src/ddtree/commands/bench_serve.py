@@ -180,7 +180,9 @@ def _ms(p: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddtree.extras import require_extra
 
+    require_extra("serve", "ddtree bench serve")
     from ddtree.serve.loadgen import LoadClient
 
     if args.flood:

@@ -1,7 +1,8 @@
 """`ddtree estimate`: project decode tokens/s for hardware and drafters you do not have.
 
 With no scenario file it runs the bundled seed example (Kimi K2-Thinking shapes, TP 8, B300).
-Imports only the estimator (numpy, rich, matplotlib for --report); never torch.
+Imports only the estimator (numpy, rich; matplotlib for --report, the [report] extra); never
+torch.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def add_oversubscribe_argument(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        from ddtree.extras import require_extra
+
+        require_extra("report", "ddtree estimate --report")
     from ddtree.commands._output import console
     from ddtree.perf import report
     from ddtree.perf.catalog import CatalogError

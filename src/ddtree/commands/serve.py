@@ -129,6 +129,9 @@ def _model_name(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from ddtree.extras import require_extra
+
+    require_extra("serve", "ddtree serve")
     from ddtree.serve.app import ServeSettings
     from ddtree.serve.server import bind, serve
 

@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        from ddtree.extras import require_extra
+
+        require_extra("report", "ddtree tune --report")
     from ddtree.perf.acceptance import choose_trace, read_acceptance
     from ddtree.perf.calibrate import calibrate, training_anchors
     from ddtree.perf.estimate import load

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ from ddtree.engine import (
     prompt_tensor,
     request_positions,
 )
-from ddtree.replay.trace import ModelStamp, PromptInfo, Trace, TraceHeader, merge_traces
+from ddtree.replay.trace import ModelStamp, PromptInfo, Trace, TraceHeader
 
 DEFAULT_TOP_K = 1024  # candidates per depth: enough for any budget up to 1024
 # Per recording forward: logit elements (R blocks x (B-1) x V) and attention scores
@@ -185,30 +185,3 @@ def record_prompts(
             device=str(getattr(target, "device", "cpu")),
         )
         yield Trace(header, sequence, lp, tok)
-
-
-def record_trace(
-    target,
-    drafter,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    top_k: int = DEFAULT_TOP_K,
-    target_stamp: ModelStamp | None = None,
-    drafter_stamp: ModelStamp | None = None,
-    texts: Sequence[str] | None = None,
-    eos_token_ids: Sequence[int] | None = None,
-    on_prompt: Callable[[int, int], None] | None = None,
-) -> Trace:
-    """One trace over ``prompts`` (``record_prompts``, joined); ``on_prompt(index,
-    new_tokens)`` after each prompt."""
-    traces = []
-    for i, trace in enumerate(
-        record_prompts(
-            target, drafter, prompts, max_new_tokens, top_k, target_stamp, drafter_stamp,
-            texts, eos_token_ids,
-        )
-    ):  # fmt: skip
-        traces.append(trace)
-        if on_prompt is not None:
-            on_prompt(i, trace.header.prompts[0].new_tokens)
-    return merge_traces(traces)

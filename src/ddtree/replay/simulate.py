@@ -168,11 +168,6 @@ class PromptReplayer:
         )
 
 
-def replay_prompt(trace: Trace, index: int, policy: str, budget: int) -> PromptReplay:
-    """Replay prompt ``index`` of ``trace`` under ``policy`` (chain, ddtree) at ``budget``."""
-    return PromptReplayer(trace, index, policy).run([budget])[0]
-
-
 def replay_points(
     trace: Trace, policies: Sequence[str], budgets: Sequence[int]
 ) -> list[tuple[str, int]]:

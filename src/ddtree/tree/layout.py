@@ -20,11 +20,6 @@ class VerifyLayout:
     attn_mask: torch.Tensor  # [1, 1, M, start + M] additive float: 0 visible, finfo.min hidden
     visibility: torch.Tensor  # [M, M] bool
 
-    def ancestor_bits(self) -> torch.Tensor:
-        """[M, ceil(M / 64)] int64 packed visibility (see ``pack_bits``), built on demand: the
-        additive mask is what most forwards take."""
-        return pack_bits(self.visibility)
-
 
 def pack_bits(visibility: torch.Tensor) -> torch.Tensor:
     """[M, M] bool -> [M, ceil(M/64)] int64 words, bit (j % 64) of word (j // 64) = row[j].
