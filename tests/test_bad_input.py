@@ -52,12 +52,14 @@ FLOAT0 = "expected a finite number >= 0"
 FLOATPOS = "expected a finite number > 0"
 THREADS = "expected a thread count"
 SEED = "expected a seed in 0.."
+BUDGET = "expected a budget in 1..8192 or 'auto'"
 
 FLAG_CASES = [
     _flag(GEN, "--block", "0", INT1),
     _flag(GEN, "--block", "-3", INT1),
-    _flag(GEN, "--budget", "0", INT1),
-    _flag(GEN, "--budget", "nan", INT1),
+    _flag(GEN, "--budget", "0", BUDGET),
+    _flag(GEN, "--budget", "nan", BUDGET),
+    _flag(GEN, "--budget", "automatic", BUDGET),
     Case("generate--budget=huge", f"{GEN} --budget {HUGE}", ("budget", "1..8192")),
     _flag(GEN, "--temperature", "-1", FLOAT0),
     _flag(GEN, "--temperature", "nan", FLOAT0),
@@ -77,8 +79,10 @@ FLAG_CASES = [
     _flag(GEN, "--engine-mode", "graphs", "invalid choice", "eager", "compiled"),
     _flag(GEN, "--buckets", "9,0", "comma-separated integers"),
     _flag("bench engine", "--engine-modes", "eager,graphs", "subset of eager,compiled"),
-    _flag("bench engine", "--budgets", "0", "comma-separated integers"),
-    _flag("bench engine", "--budgets", "8,-1", "comma-separated integers"),
+    _flag("bench engine", "--budgets", "0", BUDGET),
+    _flag("bench engine", "--budgets", "8,-1", BUDGET),
+    _flag("bench engine", "--budgets", ",", "expected comma-separated budgets"),
+    _flag("bench engine", "--concurrency", "0", "comma-separated integers, each in 1..256"),
     _flag("bench engine", "--n-prompts", "-1", INT0),
     _flag("serve", "--port", "70000", "expected a port (0: any free one) in 0..65535"),
     _flag("serve", "--port", "-1", "in 0..65535"),
