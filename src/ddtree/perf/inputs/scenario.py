@@ -13,18 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.files import read_input_bytes
-from ddtree.perf import units as u
-from ddtree.perf.catalog import (
-    CatalogError,
-    Hardware,
-    Link,
-    hardware_from_dict,
-    link_from_dict,
-    load_catalog,
-    load_hosts,
-    load_links,
-)
-from ddtree.perf.cost import (
+from ddtree.perf.cost.physics import findings
+from ddtree.perf.cost.step import (
     DEPLOYMENTS,
     ENGINE_ALIASES,
     ENGINE_PARAMS,
@@ -38,9 +28,18 @@ from ddtree.perf.cost import (
     default_params,
     mixed_deployment,
 )
-from ddtree.perf.model import PRECISION_BYTES, ModelError, ModelShape, load_model
-from ddtree.perf.physics import findings
-from ddtree.perf.values import (
+from ddtree.perf.hardware import units as u
+from ddtree.perf.hardware.catalog import (
+    CatalogError,
+    Hardware,
+    Link,
+    hardware_from_dict,
+    link_from_dict,
+    load_catalog,
+    load_hosts,
+    load_links,
+)
+from ddtree.perf.inputs.values import (
     Range,
     ScenarioError,
     Value,
@@ -51,6 +50,7 @@ from ddtree.perf.values import (
     text,
     type_name,
 )
+from ddtree.perf.shapes.model import PRECISION_BYTES, ModelError, ModelShape, load_model
 from ddtree.vocab import DEFAULT_POLICY, POLICIES, Drafting, Policy, Stage
 
 DEFAULT_ANCHOR_NOISE = 0.01
@@ -307,7 +307,7 @@ class ParseContext:
     allow_oversubscribe: bool = False  # memory over a GPU's: a warning, not an error
 
     def check(self, model: ModelShape, point: Point, where: str) -> None:
-        """The physics checks (``ddtree.perf.physics``) of a point before it is priced: a
+        """The physics checks (``ddtree.perf.cost.physics``) of a point before it is priced: a
         refusal is a one-line error naming the field; memory over the GPU's is one too, or
         with ``allow_oversubscribe`` a warning; notes are said once."""
         for f in findings(model, point):
@@ -954,7 +954,7 @@ def _case(
     point = _point(s, ctx, d, w, model)
     tau_source = ""
     if isinstance(s.get("tau"), dict):  # tau = { records = "acc.jsonl" }: measured
-        from ddtree.perf.acceptance import tau_from_records
+        from ddtree.perf.inputs.acceptance import tau_from_records
 
         measured = tau_from_records(
             s["tau"], point.policy, point.block_size, point.budget, ctx.base_dir, f"{w}.tau"

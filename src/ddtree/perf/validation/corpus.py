@@ -45,12 +45,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree.perf import units as u
-from ddtree.perf.calibrate import Calibration, anchor_tokens_per_s, calibrate, posterior_samples
-from ddtree.perf.catalog import CatalogError, load_catalog
-from ddtree.perf.cost import ENGINES, default_params
-from ddtree.perf.model import ModelError, load_model
-from ddtree.perf.scenario import (
+from ddtree.perf.cost.step import ENGINES, default_params
+from ddtree.perf.hardware import units as u
+from ddtree.perf.hardware.catalog import CatalogError, load_catalog
+from ddtree.perf.inputs.scenario import (
     STEP_ANCHOR_KEYS,
     ParseContext,
     ScenarioError,
@@ -61,10 +59,17 @@ from ddtree.perf.scenario import (
     link_tables,
     step_anchor,
 )
-from ddtree.perf.uncertainty import model_form_kind
+from ddtree.perf.projection.calibrate import (
+    Calibration,
+    anchor_tokens_per_s,
+    calibrate,
+    posterior_samples,
+)
+from ddtree.perf.projection.uncertainty import model_form_kind
+from ddtree.perf.shapes.model import ModelError, load_model
 
 EXPLAIN_ABOVE = 0.30  # a point off by more than this must carry a note
-BUNDLED = Path(__file__).parent / "data" / "validation"
+BUNDLED = Path(__file__).parents[1] / "data" / "validation"
 """The published corpus shipped with the package (``examples/validation`` links to it)."""
 TEST_FRACTION = 0.30
 SPLIT_FILE = "test_split.txt"
