@@ -37,6 +37,8 @@ POINT = '[[point]]\nname = "p"\nwhat = "w"\nmodel = {preset = "qwen3-8b"}\nhardw
         ('[model]\npreset = "kimi-k2"\n[[anchor]]\nname = "a"\nhardware = "b300"\nwhen = 1\n',
          "s.toml: anchor[0] (a): unknown field(s) when; expected some of block_size, budget"),
         ('title = ["t"]\n[model]\npreset = "kimi-k2"\n', "s.toml: title: expected a string, got a list"),
+        ('scenario = [1, 2]\n[model]\npreset = "kimi-k2"\n',
+         "s.toml: scenario must be an array of tables ([[scenario]]), got a list"),
         ('mystery = 1\n[model]\npreset = "kimi-k2"\n', "s.toml: unknown field(s) mystery; expected some of anchor"),
     ],
 )  # fmt: skip

@@ -233,6 +233,11 @@ def message(
     if kind == "bool_type":
         return f"{at(loc)}: expected true or false, got {type_name(got)} ({got!r:.60})"
     if kind in ("dict_type", "model_type", "model_attributes_type"):
+        if top and len(loc) == 2 and loc[0] in names:  # a scenario file's [[anchor]] = [1]
+            return (
+                f"{where}: {loc[0]} must be an array of tables ([[{loc[0]}]]), "
+                f"got {type_name(_get(raw, loc[:1]))}"
+            )
         if len(loc) >= 2 and isinstance(loc[-1], int):  # an item of an array of tables
             return f"{at(loc)} must be a table ([[{loc[-2]}]])"
         if top and len(loc) == 1:
