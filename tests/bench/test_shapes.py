@@ -107,7 +107,7 @@ def test_bench_shapes_on_the_tiny_preset_writes_its_records(tmp_path, capsys):
     assert extra["synthetic_drafter"].startswith("synthetic-oracle(")
     assert extra["step_bytes"] > 0 and 0 < extra["roofline_fraction"] < 1.5
     # the estimator reads them as anchors (the shape is in the record)
-    from ddtree.perf.fromrecords import anchors_from_records
+    from ddtree.perf.inputs.fromrecords import anchors_from_records
 
     anchors, machine = anchors_from_records(read_records(records))
     assert anchors and machine is not None

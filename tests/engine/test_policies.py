@@ -7,9 +7,9 @@ import pytest
 from tests.replay.helpers import EXAMPLE, make_trace, replay_prompt
 
 from ddtree.engine import DecodeConfig, engine_run_record, generate
-from ddtree.perf import cost
-from ddtree.perf.catalog import load_catalog
-from ddtree.perf.model import load_model
+from ddtree.perf.cost import step as cost
+from ddtree.perf.hardware.catalog import load_catalog
+from ddtree.perf.shapes.model import load_model
 from ddtree.records import read_records, write_records
 from ddtree.replay.simulate import replay_points
 from ddtree.vocab import POLICIES, Drafting, Policy

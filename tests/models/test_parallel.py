@@ -23,8 +23,8 @@ from ddtree.models.parallel import (
     load_shard,
     unpack_bits,
 )
-from ddtree.perf.cost import DEPLOYMENTS, collectives_per_forward
-from ddtree.perf.model import shape_from_config
+from ddtree.perf.cost.step import DEPLOYMENTS, collectives_per_forward
+from ddtree.perf.shapes.model import shape_from_config
 from ddtree.tree.layout import pack_bits
 
 TOL = 1e-5

@@ -20,8 +20,8 @@ from ddtree.models.parallel import (
     release,
     serve_spawned,
 )
-from ddtree.perf.cost import CONTROL_BROADCASTS_PER_CALL, DEPLOYMENTS, collectives_per_forward
-from ddtree.perf.model import shape_from_config
+from ddtree.perf.cost.step import CONTROL_BROADCASTS_PER_CALL, DEPLOYMENTS, collectives_per_forward
+from ddtree.perf.shapes.model import shape_from_config
 
 TARGET = DEMO_DIR / "target"
 # float64 for the comparisons: a rank's attention runs over fewer heads than one process's, so

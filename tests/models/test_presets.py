@@ -21,7 +21,7 @@ from ddtree.models.presets import (
     random_target,
     random_target_config,
 )
-from ddtree.perf.model import PRESETS, shape_from_config
+from ddtree.perf.shapes.model import PRESETS, shape_from_config
 
 PUBLISHED = ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "qwen3-30b-a3b"]
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddtree.perf.calibrate import backtest, calibrate
-from ddtree.perf.cost import default_params, params_at, prefill_cost, scoped_specs, step_cost
-from ddtree.perf.estimate import estimate, load
-from ddtree.perf.fromrecords import anchors_from_records
-from ddtree.perf.report import explain
-from ddtree.perf.scenario import StageAnchor, StepAnchor
+from ddtree.perf.cost.step import default_params, params_at, prefill_cost, scoped_specs, step_cost
+from ddtree.perf.inputs.fromrecords import anchors_from_records
+from ddtree.perf.inputs.scenario import StageAnchor, StepAnchor
+from ddtree.perf.projection.calibrate import backtest, calibrate
+from ddtree.perf.projection.estimate import estimate, load
+from ddtree.perf.report.render import explain
 from ddtree.records import read_records, write_records
 from ddtree.vocab import STEP_STAGES, EngineMode, Stage
 

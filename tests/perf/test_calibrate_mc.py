@@ -3,13 +3,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ddtree.perf.calibrate import backtest, calibrate, misfit_scale
-from ddtree.perf.catalog import load_catalog
-from ddtree.perf.cost import Drafter, Point, default_params, params_at, step_cost
-from ddtree.perf.estimate import estimate, load
-from ddtree.perf.model import PRESETS
-from ddtree.perf.scenario import Range, ScenarioCase, StepAnchor
-from ddtree.perf.uncertainty import run_case
+from ddtree.perf.cost.step import Drafter, Point, default_params, params_at, step_cost
+from ddtree.perf.hardware.catalog import load_catalog
+from ddtree.perf.inputs.scenario import Range, ScenarioCase, StepAnchor
+from ddtree.perf.projection.calibrate import backtest, calibrate, misfit_scale
+from ddtree.perf.projection.estimate import estimate, load
+from ddtree.perf.projection.uncertainty import run_case
+from ddtree.perf.shapes.model import PRESETS
 
 K2T = PRESETS["kimi-k2-thinking"]
 CAT = load_catalog()
@@ -104,7 +104,7 @@ def test_point_inputs_give_a_degenerate_distribution():
     r = run_case(K2T, _case(tau=14.0), cal, n=4000, seed=0)
     # no anchor ran on the case's setup: its only spread is the model-form error, log-normal
     # around the point prediction
-    from ddtree.perf.uncertainty import model_form_sigma
+    from ddtree.perf.projection.uncertainty import model_form_sigma
 
     want = 14.0 / float(step_cost(K2T, _case().point, params_at(specs), 14.0).step_s)
     assert r.tokens_per_s[50] == pytest.approx(want, rel=0.02)
@@ -162,7 +162,7 @@ def test_a_case_at_its_own_anchor_centres_on_it():
 
 
 def test_posterior_draws_say_whether_anchors_weighted_them():
-    from ddtree.perf.calibrate import posterior_samples
+    from ddtree.perf.projection.calibrate import posterior_samples
 
     rng = np.random.default_rng(0)
     prior_only = posterior_samples(calibrate([], default_params()), 200, rng)
@@ -177,7 +177,7 @@ def test_no_sample_reaches_the_roofline():
     """Issue 18: ~9% of the seed's samples sat at exactly 100% of peak bandwidth (an efficiency
     clipped at 1). With the logit prior none reaches 1, and every sampled step is slower than
     its bytes at peak bandwidth."""
-    from ddtree.perf.calibrate import posterior_samples
+    from ddtree.perf.projection.calibrate import posterior_samples
 
     est = estimate(load(None), samples=500, seed=0)
     draws = posterior_samples(est.calibration, 4000, np.random.default_rng(1))
@@ -191,7 +191,7 @@ def test_no_sample_reaches_the_roofline():
 
 
 def test_an_efficiency_of_one_is_refused_in_a_scenario(tmp_path):
-    from ddtree.perf.scenario import ScenarioError, load_scenario
+    from ddtree.perf.inputs.scenario import ScenarioError, load_scenario
 
     path = tmp_path / "s.toml"
     path.write_text('[model]\npreset = "kimi-k2"\n[parameters]\nmoe_efficiency = [0.5, 1.0]\n')
@@ -200,7 +200,7 @@ def test_an_efficiency_of_one_is_refused_in_a_scenario(tmp_path):
 
 
 def test_the_model_form_error_widens_cases_no_anchor_ran_on():
-    from ddtree.perf.uncertainty import model_form_sigma
+    from ddtree.perf.projection.uncertainty import model_form_sigma
 
     est = estimate(load(None), samples=3000, seed=0)
     by = {r.case.name: r for r in est.results}

@@ -3,7 +3,7 @@ valid vendor / generation / native formats, figures as their datasheets give the
 
 import pytest
 
-from ddtree.perf.catalog import (
+from ddtree.perf.hardware.catalog import (
     GENERATIONS,
     NATIVE_FORMATS,
     VENDORS,

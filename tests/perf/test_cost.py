@@ -3,9 +3,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ddtree.perf import cost
-from ddtree.perf.catalog import load_catalog, with_bandwidth
-from ddtree.perf.cost import (
+from ddtree.perf.cost import step as cost
+from ddtree.perf.cost.step import (
     Drafter,
     Point,
     amdahl,
@@ -17,7 +16,8 @@ from ddtree.perf.cost import (
     step_cost,
     tokens_per_s,
 )
-from ddtree.perf.model import PRESETS
+from ddtree.perf.hardware.catalog import load_catalog, with_bandwidth
+from ddtree.perf.shapes.model import PRESETS
 from ddtree.vocab import POLICIES, STEP_STAGES, Stage
 
 K2T = PRESETS["kimi-k2-thinking"]

@@ -6,8 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ddtree.perf.catalog import load_catalog
-from ddtree.perf.cost import (
+from ddtree.perf.cost.step import (
     MAX_MEMORY_EFFICIENCY,
     Drafter,
     Point,
@@ -17,7 +16,8 @@ from ddtree.perf.cost import (
     params_at,
     step_cost,
 )
-from ddtree.perf.model import PRESETS
+from ddtree.perf.hardware.catalog import load_catalog
+from ddtree.perf.shapes.model import PRESETS
 from ddtree.vocab import POLICIES, Stage
 
 CAT = load_catalog()

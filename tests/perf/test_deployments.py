@@ -9,8 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from ddtree.perf.catalog import load_catalog, this_machine
-from ddtree.perf.cost import (
+from ddtree.perf.cost.step import (
     DEPLOYMENTS,
     Drafter,
     Point,
@@ -22,9 +21,10 @@ from ddtree.perf.cost import (
     routed_moe_layer,
     step_cost,
 )
-from ddtree.perf.fromrecords import anchors_from_records, measured_links
-from ddtree.perf.model import PRESETS
-from ddtree.perf.scenario import ScenarioError, load_scenario
+from ddtree.perf.hardware.catalog import load_catalog, this_machine
+from ddtree.perf.inputs.fromrecords import anchors_from_records, measured_links
+from ddtree.perf.inputs.scenario import ScenarioError, load_scenario
+from ddtree.perf.shapes.model import PRESETS
 from ddtree.records import BenchAllreduce, BenchBandwidth, HardwareInfo
 
 K2T = PRESETS["kimi-k2-thinking"]
@@ -184,8 +184,8 @@ def test_a_gpu_run_replaces_the_catalog_link():
 
 
 def test_allreduce_bytes_in_a_node_and_between_nodes():
-    from ddtree.perf.catalog import load_links
-    from ddtree.perf.cost import allreduce_bytes
+    from ddtree.perf.cost.step import allreduce_bytes
+    from ddtree.perf.hardware.catalog import load_links
 
     h100 = load_catalog()["h100-sxm"]
     one = dataclasses.replace(point(hw="h100-sxm"), hardware=h100)
@@ -197,7 +197,7 @@ def test_allreduce_bytes_in_a_node_and_between_nodes():
 
 
 def test_tp16_over_infiniband_pays_the_link_between_nodes():
-    from ddtree.perf.catalog import load_links
+    from ddtree.perf.hardware.catalog import load_links
 
     ds = PRESETS["deepseek-v3"]
     h100 = load_catalog()["h100-sxm"]
@@ -259,7 +259,7 @@ def test_a_file_can_define_its_own_link_and_node_size(tmp_path):
 
 
 def test_moe_tp_by_ep_reads_between_pure_tp_and_pure_ep():
-    from ddtree.perf.cost import mixed_deployment
+    from ddtree.perf.cost.step import mixed_deployment
 
     tokens = 9  # M = 9 at C = 1
     mixed = dataclasses.replace(point(), deployment=mixed_deployment(2, 4))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ddtree.cli import main
-from ddtree.perf.diagnose import DiagnoseError, diagnose, pair_runs
+from ddtree.perf.validation.diagnose import DiagnoseError, diagnose, pair_runs
 from ddtree.records import EngineRun, HardwareInfo, write_records
 from ddtree.vocab import STEP_STAGES, Stage
 
@@ -191,7 +191,7 @@ def test_a_mismatched_pair_warns_in_one_line(tmp_path, capsys):
 def test_prompt_sets_of_equal_count_and_total_show_their_lengths():
     import dataclasses
 
-    from ddtree.perf.consistency import differences
+    from ddtree.perf.inputs.consistency import differences
 
     a = run_record([3], [10], costs(1e-3, 0.0, 0.0))
     a = dataclasses.replace(a, prompt_set={"count": 2, "lengths": [40, 60]})

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from ddtree.commands import estimate as cmd
-from ddtree.perf.estimate import bundled_seed_path, estimate, load
-from ddtree.perf.scenario import ScenarioError, load_scenario
+from ddtree.perf.inputs.scenario import ScenarioError, load_scenario
+from ddtree.perf.projection.estimate import bundled_seed_path, estimate, load
 from ddtree.records import BenchBandwidth, EngineRun, HardwareInfo, read_records, write_records
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "seed_kimi_b300.toml"
@@ -285,7 +285,7 @@ def test_backtest_over_records(tmp_path, capsys):
 def test_perf_never_imports_torch():
     code = (
         "import sys, argparse\n"
-        "import ddtree.perf, ddtree.perf.report\n"
+        "import ddtree.perf, ddtree.perf.report.render\n"
         "from ddtree.commands import estimate as e\n"
         "p = argparse.ArgumentParser(); e.add_arguments(p)\n"
         "assert e.run(p.parse_args(['--json', '--samples', '200'])) == 0\n"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.perf.estimate import estimate, load
+from ddtree.perf.projection.estimate import estimate, load
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -59,7 +59,7 @@ def test_llama_example_eagle_hardware_table_and_e2e(llama):
     assert tree.speedup_vs_ar[50] > 1.5
     # the anchors ran on this setup and the per-draft-step costs reproduce them: its range
     # carries what the calibration still misses them by, less than an unanchored setup's
-    from ddtree.perf.uncertainty import model_form_sigma
+    from ddtree.perf.projection.uncertainty import model_form_sigma
 
     assert tree.model_form_sigma < model_form_sigma("speculative")
     a100 = by["A100 40GB, EAGLE-3"].case.point.hardware
@@ -97,8 +97,8 @@ def _missing(text: str, here: Path) -> list[str]:
 
 
 def test_outputs_and_examples_name_no_file_the_repo_lacks():
-    from ddtree.perf import report
-    from ddtree.perf.model import PRESETS
+    from ddtree.perf.report import render as report
+    from ddtree.perf.shapes.model import PRESETS
 
     texts: list[tuple[str, str, Path]] = []
     for path in sorted(EXAMPLES.glob("*.toml")):

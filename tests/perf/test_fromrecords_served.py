@@ -10,8 +10,8 @@ import pytest
 from tests.perf.served_records import write_served_records
 
 from ddtree.cli import main
-from ddtree.perf.fromrecords import _context, anchors_from_records, merge_runs
-from ddtree.perf.scenario import StageAnchor, StepAnchor
+from ddtree.perf.inputs.fromrecords import _context, anchors_from_records, merge_runs
+from ddtree.perf.inputs.scenario import StageAnchor, StepAnchor
 from ddtree.records import EngineRun, read_records
 
 
@@ -54,7 +54,7 @@ def test_train_budgets_covering_every_run_fail_before_any_fitting(served, capsys
     def no_fit(*args, **kwargs):
         raise AssertionError("calibrated before checking --train-budgets")
 
-    monkeypatch.setattr("ddtree.perf.calibrate.calibrate", no_fit)
+    monkeypatch.setattr("ddtree.perf.projection.calibrate.calibrate", no_fit)
     assert main(["estimate", "--backtest", str(served), "--train-budgets", "8"]) == 2
     err = capsys.readouterr().err
     assert "--train-budgets" in err and "no run to predict" in err and "Traceback" not in err

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.perf.model import CONFIGS, PRESETS, ModelError, read_config, shape_from_config
+from ddtree.perf.shapes.model import CONFIGS, PRESETS, ModelError, read_config, shape_from_config
 
 DATA = Path(__file__).parent / "data" / "configs"
 
@@ -213,8 +213,7 @@ def test_unknown_model_type_with_unknown_fields_is_refused():
 
 
 def test_linear_attention_costs_a_state_not_a_kv_cache():
-    from ddtree.perf.catalog import load_catalog
-    from ddtree.perf.cost import (
+    from ddtree.perf.cost.step import (
         Drafter,
         Forward,
         Point,
@@ -223,6 +222,7 @@ def test_linear_attention_costs_a_state_not_a_kv_cache():
         kv_commit,
         params_at,
     )
+    from ddtree.perf.hardware.catalog import load_catalog
     from ddtree.vocab import Stage
 
     m = PRESETS["qwen3-next-80b-a3b"]

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from ddtree.perf.catalog import load_catalog, load_links
-from ddtree.perf.cost import Point, default_params, params_at, step_cost
-from ddtree.perf.model import PRESETS
-from ddtree.perf.physics import RUNTIME_RESERVE_BYTES, findings, memory_per_gpu
-from ddtree.perf.scenario import ScenarioError, load_scenario
+from ddtree.perf.cost.physics import RUNTIME_RESERVE_BYTES, findings, memory_per_gpu
+from ddtree.perf.cost.step import Point, default_params, params_at, step_cost
+from ddtree.perf.hardware.catalog import load_catalog, load_links
+from ddtree.perf.inputs.scenario import ScenarioError, load_scenario
+from ddtree.perf.shapes.model import PRESETS
 from ddtree.vocab import AR
 
 CAT = load_catalog()

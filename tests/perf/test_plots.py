@@ -10,12 +10,12 @@ from matplotlib.collections import PathCollection, PolyCollection
 from matplotlib.colors import to_hex
 from tests.perf.test_tune import TAUS, acceptance, scenario
 
-from ddtree.perf import plots
-from ddtree.perf.acceptance import DEPTH_DECAY, fit_top1, modelled_tau, tau_by_budget
-from ddtree.perf.calibrate import calibrate
-from ddtree.perf.estimate import estimate, load
-from ddtree.perf.scenario import Range, StepAnchor
-from ddtree.perf.tune import tune
+from ddtree.perf.inputs.acceptance import DEPTH_DECAY, fit_top1, modelled_tau, tau_by_budget
+from ddtree.perf.inputs.scenario import Range, StepAnchor
+from ddtree.perf.projection.calibrate import calibrate
+from ddtree.perf.projection.estimate import estimate, load
+from ddtree.perf.projection.tune import tune
+from ddtree.perf.report import plots
 from ddtree.vocab import POLICIES
 
 
@@ -170,7 +170,7 @@ def test_budget_plot_needs_a_case_with_a_tree(tmp_path):
 
 
 def test_tune_figure_shows_the_measured_runs_and_stops_tau_at_the_block(tmp_path):
-    from ddtree.perf.acceptance import from_record
+    from ddtree.perf.inputs.acceptance import from_record
 
     sf = load(scenario(tmp_path, "tau = 3.0"))
     measured = [from_record(acceptance(n, t, t - 0.2, t + 0.3), "acc") for n, t in TAUS.items()]

@@ -2,8 +2,7 @@
 
 import pytest
 
-from ddtree.perf.catalog import load_catalog
-from ddtree.perf.cost import (
+from ddtree.perf.cost.step import (
     Drafter,
     Forward,
     Point,
@@ -13,9 +12,10 @@ from ddtree.perf.cost import (
     step_cost,
     target_forward,
 )
-from ddtree.perf.estimate import estimate
-from ddtree.perf.model import PRESETS
-from ddtree.perf.scenario import ScenarioError, load_scenario, mtp_drafter
+from ddtree.perf.hardware.catalog import load_catalog
+from ddtree.perf.inputs.scenario import ScenarioError, load_scenario, mtp_drafter
+from ddtree.perf.projection.estimate import estimate
+from ddtree.perf.shapes.model import PRESETS
 from ddtree.vocab import POLICIES, Stage
 
 CAT = load_catalog()
@@ -48,7 +48,7 @@ def _load(tmp_path, fields, model="llama-3.1-8b"):
 
 def test_sglang_names_set_the_tree():
     # the docstring example: num_steps 5, topk 8, num_draft_tokens 32 -> B = 6, N = 31, K = 8
-    from ddtree.perf.scenario import _draft_steps
+    from ddtree.perf.inputs.scenario import _draft_steps
 
     eagle = POLICIES["eagle"]
     assert _draft_steps({"num_steps": 5, "topk": 8, "num_draft_tokens": 32}, {}, eagle, "w") == (

@@ -1,6 +1,6 @@
 """``ddtree estimate FILE`` under random scenario files (hypothesis, issue 21).
 
-Documents are built from the scenario schema (``ddtree.perf.scenario``): its sections, each
+Documents are built from the scenario schema (``ddtree.perf.inputs.scenario``): its sections, each
 field mostly given a plausible value (so the parse reaches the cost model and the calibration)
 and otherwise anything TOML holds: integers, floats with NaN, inf, huge and negative ones,
 strings with and without units, booleans, dates, lists, nested tables; sections missing, of
@@ -27,10 +27,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddtree.cli import main
-from ddtree.perf.catalog import load_hosts, load_links
-from ddtree.perf.cost import DEPLOYMENTS, ENGINE_PARAMS, ENGINES, default_params
-from ddtree.perf.model import PRECISION_BYTES, PRESETS
-from ddtree.perf.scenario import METRICS
+from ddtree.perf.cost.step import DEPLOYMENTS, ENGINE_PARAMS, ENGINES, default_params
+from ddtree.perf.hardware.catalog import load_hosts, load_links
+from ddtree.perf.inputs.scenario import METRICS
+from ddtree.perf.shapes.model import PRECISION_BYTES, PRESETS
 from ddtree.vocab import POLICIES
 
 DEADLINE = timedelta(seconds=10)  # per case; a case takes tens of milliseconds

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from ddtree.cli import main
-from ddtree.perf.acceptance import MeasuredTau, choose_trace, read_acceptance
-from ddtree.perf.calibrate import calibrate
-from ddtree.perf.scenario import ScenarioError, StepAnchor, load_scenario
-from ddtree.perf.tune import TuneCurve, TunePoint, held_out, tune
+from ddtree.perf.inputs.acceptance import MeasuredTau, choose_trace, read_acceptance
+from ddtree.perf.inputs.scenario import ScenarioError, StepAnchor, load_scenario
+from ddtree.perf.projection.calibrate import calibrate
+from ddtree.perf.projection.tune import TuneCurve, TunePoint, held_out, tune
 from ddtree.records import Acceptance, HardwareInfo, write_records
 from ddtree.vocab import POLICIES
 

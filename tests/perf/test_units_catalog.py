@@ -1,7 +1,7 @@
 import pytest
 
-from ddtree.perf import units as u
-from ddtree.perf.catalog import (
+from ddtree.perf.hardware import units as u
+from ddtree.perf.hardware.catalog import (
     CatalogError,
     hardware_from_dict,
     link_from_dict,
@@ -10,7 +10,7 @@ from ddtree.perf.catalog import (
     match_gpu,
     this_machine,
 )
-from ddtree.perf.model import PRESETS, ModelError, load_model, shape_from_config
+from ddtree.perf.shapes.model import PRESETS, ModelError, load_model, shape_from_config
 from ddtree.records import BenchBandwidth, HardwareInfo
 
 

@@ -6,20 +6,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddtree.perf import validate
-from ddtree.perf.cost import ENGINES, Drafter, Point, default_params, params_at, step_cost
-from ddtree.perf.model import PRESETS
-from ddtree.perf.scenario import ScenarioError
+from ddtree.perf.cost.step import ENGINES, Drafter, Point, default_params, params_at, step_cost
+from ddtree.perf.inputs.scenario import ScenarioError
+from ddtree.perf.shapes.model import PRESETS
+from ddtree.perf.validation import corpus
 from ddtree.vocab import POLICIES
 
 FOLDER = Path(__file__).resolve().parents[2] / "examples" / "validation"
-# synthetic sources on the train side of the split (validate.split_of): "a", "g", "h", "i";
+# synthetic sources on the train side of the split (corpus.split_of): "a", "g", "h", "i";
 # "b" and "c" fall on the test side
 A, B, C, D = "a", "g", "h", "i"
 
 
 def test_the_validation_set_covers_what_the_issue_asks():
-    points = validate.load_points(FOLDER)
+    points = corpus.load_points(FOLDER)
     # issue 18: 30+ points from 12+ sources, 3+ serving stacks, dense and MoE, AR and
     # speculative (DFlash, EAGLE-3, MTP), 1 to 16 GPUs, 6+ GPU types
     assert len(points) >= 30
@@ -50,8 +50,8 @@ def test_bundled_corpus_is_scored_train_and_test(capsys):
 
     assert main(["estimate", "--validate", "--json", "--samples", "500"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["folder"] == str(validate.BUNDLED)
-    assert doc["noise_by_source_kind"] == {k: v.noise for k, v in validate.SOURCE_KINDS.items()}
+    assert doc["folder"] == str(corpus.BUNDLED)
+    assert doc["noise_by_source_kind"] == {k: v.noise for k, v in corpus.SOURCE_KINDS.items()}
     rows = doc["points"]
     for split in ("train", "test"):
         part = [r for r in rows if r["split"] == split]
@@ -71,7 +71,7 @@ def test_bundled_corpus_is_scored_train_and_test(capsys):
         b, m = row["band_tokens_per_s"], row["measured_tokens_per_s"]
         assert row["inside_p10_p90"] == (b["p10"] <= m <= b["p90"])
         assert row["inside_p25_p75"] == (b["p25"] <= m <= b["p75"])
-        assert row["noise"] == validate.SOURCE_KINDS[doc["by_source"][row["source"]]["kind"]].noise
+        assert row["noise"] == corpus.SOURCE_KINDS[doc["by_source"][row["source"]]["kind"]].noise
     assert sum(s["points"] for s in doc["by_source"].values()) == len(rows)
     # issue 27: at least 45 test points; the scores themselves are reported, not asserted
     assert doc["test"]["points"] >= 45
@@ -82,21 +82,21 @@ def test_bundled_corpus_is_scored_train_and_test(capsys):
 
 
 def test_the_test_split_is_the_rule_frozen_in_its_file():
-    keys = {p.source.key for p in validate.load_points(validate.BUNDLED)}
+    keys = {p.source.key for p in corpus.load_points(corpus.BUNDLED)}
     frozen = frozen_test_sources()
-    assert sorted(frozen) == sorted(k for k in keys if validate.split_of(k) == "test")
+    assert sorted(frozen) == sorted(k for k in keys if corpus.split_of(k) == "test")
     # about 30% of sources by the rule (a hash, so not exactly)
     assert 0.15 < len(frozen) / len(keys) < 0.5
-    assert validate.split_of("seed") == "test" and validate.split_of("a") == "train"
+    assert corpus.split_of("seed") == "test" and corpus.split_of("a") == "train"
 
 
 def test_no_prior_cites_a_test_source():
     """The cost model's priors and data (code, catalog, profiles) name no test source's URL:
     nothing was tuned while reading one."""
-    urls = {p.source.url for p in validate.load_points(validate.BUNDLED)
-            if validate.split_of(p.source.key) == "test" and p.source.url.startswith("http")}  # fmt: skip
-    root = Path(validate.__file__).parent
-    files = [f for f in root.rglob("*") if f.is_file() and "validation" not in f.parts
+    urls = {p.source.url for p in corpus.load_points(corpus.BUNDLED)
+            if corpus.split_of(p.source.key) == "test" and p.source.url.startswith("http")}  # fmt: skip
+    root = Path(corpus.__file__).parents[1]  # src/ddtree/perf: every room and data/
+    files = [f for f in root.rglob("*") if f.is_file() and not f.is_relative_to(corpus.BUNDLED)
              and f.suffix in (".py", ".toml", ".json")]  # fmt: skip
     assert files
     for f in files:
@@ -110,14 +110,14 @@ def test_no_fit_reads_a_test_point(tmp_path, monkeypatch):
     for key, hw in ((A, "h100-sxm"), (B, "h200"), ("b", "b200"), ("c", "a800")):
         _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth)])
     seen = []
-    real = validate.calibrate
+    real = corpus.calibrate
 
     def spy(anchors, *args, **kw):
         seen.append({a.name for a in anchors})
         return real(anchors, *args, **kw)
 
-    monkeypatch.setattr(validate, "calibrate", spy)
-    v = validate.run(tmp_path, samples=200)
+    monkeypatch.setattr(corpus, "calibrate", spy)
+    v = corpus.run(tmp_path, samples=200)
     assert seen and all(not ({"b-ar", "c-ar"} & names) for names in seen)
     assert {r.point.name: r.split for r in v.rows} == {
         "a-ar": "train", "g-ar": "train", "b-ar": "test", "c-ar": "test"}  # fmt: skip
@@ -127,7 +127,7 @@ def test_no_fit_reads_a_test_point(tmp_path, monkeypatch):
 def frozen_test_sources() -> list[str]:
     """The test sources written down in the corpus's test_split.txt (one key a line, #
     comments), the record the split was frozen in before the cost model changed."""
-    lines = (validate.BUNDLED / validate.SPLIT_FILE).read_text(encoding="utf-8").splitlines()
+    lines = (corpus.BUNDLED / corpus.SPLIT_FILE).read_text(encoding="utf-8").splitlines()
     return [x.strip() for x in lines if x.strip() and not x.lstrip().startswith("#")]
 
 
@@ -164,7 +164,7 @@ def _synthetic_point(name, hw, budget, truth):
 
 
 def load_hw(key):
-    from ddtree.perf.catalog import load_catalog
+    from ddtree.perf.hardware.catalog import load_catalog
 
     return load_catalog()[key]
 
@@ -174,7 +174,7 @@ def test_held_out_sources_are_predicted_from_the_others(tmp_path, capsys):
     for key, hw in ((A, "h100-sxm"), (B, "h200"), (C, "b200")):
         _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth),
                                       _synthetic_point(f"{key}-chain", hw, 15, truth)])  # fmt: skip
-    v = validate.run(tmp_path, samples=300)
+    v = corpus.run(tmp_path, samples=300)
     assert [r.point.source.key for r in v.rows] == [A, A, B, B, C, C]
     assert all(r.point.source.key not in r.calibrated_on for r in v.rows)
     assert v.mape < 0.05, [round(r.rel_error, 3) for r in v.rows]
@@ -233,7 +233,7 @@ def test_held_out_sources_are_predicted_from_the_others(tmp_path, capsys):
 def test_bad_validation_files_name_file_and_field(tmp_path, capsys, text, field):
     (tmp_path / "bad.toml").write_text(text)
     with pytest.raises(ScenarioError, match="bad.toml") as exc:
-        validate.load_points(tmp_path)
+        corpus.load_points(tmp_path)
     assert field in str(exc.value)
     from ddtree.cli import main
 
@@ -246,7 +246,7 @@ def test_bad_validation_files_name_file_and_field(tmp_path, capsys, text, field)
 
 
 def test_metric_wall_time_worked_example():
-    from ddtree.perf.scenario import Metric
+    from ddtree.perf.inputs.scenario import Metric
 
     m = Metric("e2e_tokens_per_s", prompt_tokens=1024, output_tokens=128)
     wall = m.wall_s(step_s=0.013, tau=1.0, prefill_s=0.1)
@@ -262,7 +262,7 @@ def _one_point(tmp_path, body: str):
     head = '[source]\nkey = "x"\nkind = "vendor"\nurl = "u"\n[[point]]\nname = "p"\nwhat = "w"\n'
     base = 'model = {preset = "llama-3.1-8b"}\nhardware = "h100-sxm"\nengine = "graphs"\n'
     (tmp_path / "x.toml").write_text(head + base + body)
-    return validate.load_points(tmp_path)[0].anchor
+    return corpus.load_points(tmp_path)[0].anchor
 
 
 def test_tpot_and_itl_figures_give_the_step(tmp_path):
@@ -276,8 +276,8 @@ def test_tpot_and_itl_figures_give_the_step(tmp_path):
 
 
 def test_an_e2e_figure_is_predicted_with_the_prefill_in_its_wall_time(tmp_path):
-    from ddtree.perf.calibrate import anchor_seconds, anchor_tokens_per_s
-    from ddtree.perf.cost import prefill_cost
+    from ddtree.perf.cost.step import prefill_cost
+    from ddtree.perf.projection.calibrate import anchor_seconds, anchor_tokens_per_s
 
     a = _one_point(
         tmp_path,
@@ -317,12 +317,12 @@ def test_bad_metric_fields_are_one_line_errors(tmp_path, body, message):
 
 
 def test_model_form_fit_known_answers():
-    assert validate.fit_model_form([0.3, -0.3, 0.3, -0.3], [0, 0, 0, 0]) == pytest.approx(0.3)
+    assert corpus.fit_model_form([0.3, -0.3, 0.3, -0.3], [0, 0, 0, 0]) == pytest.approx(0.3)
     # what the declared noise already explains needs no model-form error
-    assert validate.fit_model_form([0.1, -0.1], [0.2, 0.2]) == 0.0
+    assert corpus.fit_model_form([0.1, -0.1], [0.2, 0.2]) == 0.0
     rng = np.random.default_rng(0)
     r = rng.normal(0, np.hypot(0.2, 0.08), 4000)
-    assert validate.fit_model_form(r, np.full(4000, 0.08)) == pytest.approx(0.2, abs=0.01)
+    assert corpus.fit_model_form(r, np.full(4000, 0.08)) == pytest.approx(0.2, abs=0.01)
 
 
 def test_a_sources_band_never_uses_its_own_residuals(tmp_path):
@@ -331,7 +331,7 @@ def test_a_sources_band_never_uses_its_own_residuals(tmp_path):
         _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth)])
     _write_source(tmp_path, D, [{**_synthetic_point("i-ar", "a800", 0, truth),
                                  "step": "0.5 ms"}], kind="forum")  # fmt: skip
-    v = validate.run(tmp_path, samples=300)
+    v = corpus.run(tmp_path, samples=300)
     by = {r.point.name: r for r in v.rows}
     # the outlier's own band is fitted on the three other sources (each predicted with the
     # outlier among its calibration, so not exactly: a modest error); the others' bands carry
@@ -345,7 +345,7 @@ def test_model_form_file_is_what_validation_fits():
     import tomllib
     from importlib import resources
 
-    v = validate.run(None, samples=500)
+    v = corpus.run(None, samples=500)
     data = tomllib.loads(
         resources.files("ddtree.perf").joinpath("data/model_form.toml").read_text()
     )

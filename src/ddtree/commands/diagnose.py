@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddtree.perf.diagnose import diagnose, pair_runs, pair_warning, select, to_json
+    from ddtree.perf.validation.diagnose import diagnose, pair_runs, pair_warning, select, to_json
     from ddtree.records import read_records
 
     runs = [

@@ -78,17 +78,17 @@ def run(args: argparse.Namespace) -> int:
 
         require_extra("report", "ddtree estimate --report")
     from ddtree.commands._output import console
-    from ddtree.perf import report
-    from ddtree.perf.catalog import CatalogError
-    from ddtree.perf.estimate import estimate, load, records_warning, run_backtest
-    from ddtree.perf.model import ModelError
-    from ddtree.perf.scenario import ScenarioError
-    from ddtree.perf.units import UnitError
+    from ddtree.perf.hardware.catalog import CatalogError
+    from ddtree.perf.hardware.units import UnitError
+    from ddtree.perf.inputs.scenario import ScenarioError
+    from ddtree.perf.projection.estimate import estimate, load, records_warning, run_backtest
+    from ddtree.perf.report import render as report
+    from ddtree.perf.shapes.model import ModelError
     from ddtree.records import RecordError
 
     try:
         if args.validate is not None:
-            from ddtree.perf import validate
+            from ddtree.perf.validation import corpus as validate
 
             v = validate.run(args.validate or None, min(args.samples, 2000), args.seed)
             if args.json:

@@ -59,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
         from ddtree.extras import require_extra
 
         require_extra("report", "ddtree tune --report")
-    from ddtree.perf.acceptance import choose_trace, read_acceptance
-    from ddtree.perf.calibrate import calibrate, training_anchors
-    from ddtree.perf.estimate import load
-    from ddtree.perf.tune import held_out, tune
+    from ddtree.perf.inputs.acceptance import choose_trace, read_acceptance
+    from ddtree.perf.projection.calibrate import calibrate, training_anchors
+    from ddtree.perf.projection.estimate import load
+    from ddtree.perf.projection.tune import held_out, tune
 
     hardware = [h for h in args.hardware.split(",") if h]
     if not hardware:
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 def records_warning(sf, measured) -> str | None:
     """One line when the engine runs, the bandwidth record and the trace's acceptance records
     tune combines differ in workload or setup."""
-    from ddtree.perf.consistency import mismatch_warning
+    from ddtree.perf.inputs.consistency import mismatch_warning
     from ddtree.records import BenchBandwidth, EngineRun
 
     used = [(r.kind, r) for r in sf.measurements if isinstance(r, (EngineRun, BenchBandwidth))]
@@ -233,11 +233,11 @@ def to_json(curves, check, trace: str) -> dict:
 
 
 def write_report(curves, check, out: Path, anchors=()) -> list[Path]:
-    """tune_tokens_vs_budget.png (``ddtree.perf.plots.tune_figure``: tokens/s per hardware
+    """tune_tokens_vs_budget.png (``ddtree.perf.report.plots.tune_figure``: tokens/s per hardware
     and policy with the measured engine runs, tau below) and tune.md (the tables), each
     written whole or not at all."""
     from ddtree.files import replace_atomically
-    from ddtree.perf import plots
+    from ddtree.perf.report import plots
 
     out.mkdir(parents=True, exist_ok=True)
     png = plots.save(plots.tune_figure(curves, anchors), out / "tune_tokens_vs_budget.png")

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree.perf.acceptance import DEPTH_DECAY, tau_by_budget
-from ddtree.perf.cost import link_class, step_cost
-from ddtree.perf.physics import findings
-from ddtree.perf.scenario import Range, StepAnchor
-from ddtree.perf.uncertainty import (
+from ddtree.perf.cost.physics import findings
+from ddtree.perf.cost.step import link_class, step_cost
+from ddtree.perf.inputs.acceptance import DEPTH_DECAY, tau_by_budget
+from ddtree.perf.inputs.scenario import Range, StepAnchor
+from ddtree.perf.projection.uncertainty import (
     PERCENTILES,
     CaseResult,
     case_model_form,

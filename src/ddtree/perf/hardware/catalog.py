@@ -14,7 +14,15 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
-from ddtree.perf.units import BANDWIDTH, BYTES, FLOP_RATE, TIME, Dim, UnitError, parse_quantity
+from ddtree.perf.hardware.units import (
+    BANDWIDTH,
+    BYTES,
+    FLOP_RATE,
+    TIME,
+    Dim,
+    UnitError,
+    parse_quantity,
+)
 from ddtree.records import BenchAllreduce, BenchBandwidth
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp4")

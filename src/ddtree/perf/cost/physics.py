@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddtree.perf.cost import Point
-from ddtree.perf.model import PRECISION_BYTES, ModelShape
-from ddtree.perf.units import BYTES, format_quantity
+from ddtree.perf.cost.step import Point
+from ddtree.perf.hardware.units import BYTES, format_quantity
+from ddtree.perf.shapes.model import PRECISION_BYTES, ModelShape
 
 RUNTIME_RESERVE_BYTES = 3.5 * 2**30
 """CUDA context, NCCL buffers, captured graphs and allocator slack per GPU: aiconfigurator's

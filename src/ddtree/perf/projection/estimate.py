@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from ddtree.perf.calibrate import Backtest, Calibration, backtest, calibrate
-from ddtree.perf.consistency import mismatch_warning
-from ddtree.perf.cost import scoped_specs
-from ddtree.perf.fromrecords import anchors_from_records, measured_links, one_machine
-from ddtree.perf.scenario import ScenarioFile, StepAnchor, load_scenario
-from ddtree.perf.uncertainty import CaseResult, run_case
+from ddtree.perf.cost.step import scoped_specs
+from ddtree.perf.inputs.consistency import mismatch_warning
+from ddtree.perf.inputs.fromrecords import anchors_from_records, measured_links, one_machine
+from ddtree.perf.inputs.scenario import ScenarioFile, StepAnchor, load_scenario
+from ddtree.perf.projection.calibrate import Backtest, Calibration, backtest, calibrate
+from ddtree.perf.projection.uncertainty import CaseResult, run_case
 from ddtree.records import BenchBandwidth, EngineRun, read_records
 
 BUNDLED_SEED = "seed_kimi_b300.toml"
@@ -86,7 +86,7 @@ def estimate(sf: ScenarioFile, samples: int = 10_000, seed: int = 0) -> Estimate
 
 def records_warning(sf: ScenarioFile) -> str | None:
     """One line when the engine runs and bandwidth records behind the anchors differ in
-    workload or setup (``ddtree.perf.consistency``)."""
+    workload or setup (``ddtree.perf.inputs.consistency``)."""
     used = [(r.kind, r) for r in sf.measurements if isinstance(r, (EngineRun, BenchBandwidth))]
     return mismatch_warning(
         "the records calibrated on", used, "one profile is fitted to runs of different setups"

@@ -13,18 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.files import read_input_bytes
-from ddtree.perf import units as u
-from ddtree.perf.catalog import (
-    CatalogError,
-    Hardware,
-    Link,
-    hardware_from_dict,
-    link_from_dict,
-    load_catalog,
-    load_hosts,
-    load_links,
-)
-from ddtree.perf.cost import (
+from ddtree.perf.cost.physics import findings
+from ddtree.perf.cost.step import (
     DEPLOYMENTS,
     ENGINE_ALIASES,
     ENGINE_PARAMS,
@@ -38,19 +28,31 @@ from ddtree.perf.cost import (
     default_params,
     mixed_deployment,
 )
-from ddtree.perf.model import PRECISION_BYTES, ModelError, ModelShape, load_model
-from ddtree.perf.physics import findings
-from ddtree.perf.values import (
-    Range,
-    ScenarioError,
-    Value,
-    flag,
-    one_of,
-    strings,
-    table,
-    text,
-    type_name,
+from ddtree.perf.hardware import units as u
+from ddtree.perf.hardware.catalog import (
+    CatalogError,
+    Hardware,
+    Link,
+    hardware_from_dict,
+    link_from_dict,
+    load_catalog,
+    load_hosts,
+    load_links,
 )
+from ddtree.perf.inputs.schema import (
+    SCENARIO_NAMES,
+    DeploymentFields,
+    DrafterTable,
+    MoeAnchorTable,
+    ParallelTable,
+    ParamTable,
+    ScenarioDoc,
+    StepAnchorTable,
+    StepFields,
+    parse,
+)
+from ddtree.perf.inputs.values import Range, ScenarioError, Value, flag, one_of, text
+from ddtree.perf.shapes.model import PRECISION_BYTES, ModelError, ModelShape, load_model
 from ddtree.vocab import DEFAULT_POLICY, POLICIES, Drafting, Policy, Stage
 
 DEFAULT_ANCHOR_NOISE = 0.01
@@ -250,17 +252,7 @@ def _int(raw: Any, where: str, low: int = 1) -> int:
     return raw
 
 
-def check_keys(table: dict, allowed: set[str], where: str) -> None:
-    extra = set(table) - allowed
-    if extra:
-        raise ScenarioError(
-            f"{where}: unknown field(s) {', '.join(sorted(extra))}; "
-            f"expected some of {', '.join(sorted(allowed))}"
-        )
-
-
-_DEPLOY = {"tp", "concurrency", "context", "engine", "policy", "parallel", "gpus_per_node",
-           "inter_node", "num_steps", "topk", "num_draft_tokens", "host_cpu", "stack"}  # fmt: skip
+_DEPLOY = set(DeploymentFields.model_fields)
 _PARAM_DIMS = {"": u.NUMBER, "s": u.TIME}
 
 
@@ -307,7 +299,7 @@ class ParseContext:
     allow_oversubscribe: bool = False  # memory over a GPU's: a warning, not an error
 
     def check(self, model: ModelShape, point: Point, where: str) -> None:
-        """The physics checks (``ddtree.perf.physics``) of a point before it is priced: a
+        """The physics checks (``ddtree.perf.cost.physics``) of a point before it is priced: a
         refusal is a one-line error naming the field; memory over the GPU's is one too, or
         with ``allow_oversubscribe`` a warning; notes are said once."""
         for f in findings(model, point):
@@ -339,14 +331,9 @@ def drafter_from(spec: dict, where: str) -> Drafter:
     token``, ``lm_head_vocab`` for an EAGLE-3 head's own draft vocabulary, ``source``); or only
     ``precision`` / ``source`` for policy ``mtp``, whose drafter is the target's own MTP layer
     (``layers = 0`` here: the shape comes from the model)."""
-    check_keys(
-        table(spec, where),
-        {"params", "layers", "precision", "kv_bytes_per_token", "shares_target_lm_head", "source",
-         "lm_head_vocab"},
-        where,
-    )  # fmt: skip
+    parse(DrafterTable, spec, where)
     prec = one_of(spec.get("precision", "bf16"), PRECISION_BYTES, f"{where}.precision")
-    source = text(spec.get("source", ""), f"{where}.source")
+    source = spec.get("source", "")
     if "params" not in spec and "layers" not in spec and not set(spec) - {"precision", "source"}:
         return Drafter(params=0.0, layers=0, precision=prec, source=source)  # MTP: from the model
     if "params" not in spec or "layers" not in spec:
@@ -358,9 +345,7 @@ def drafter_from(spec: dict, where: str) -> Drafter:
         layers=_int(spec["layers"], f"{where}.layers"),
         precision=prec,
         kv_bytes_per_token=_at_least_0(kv, u.BYTES, f"{where}.kv_bytes_per_token"),
-        shares_target_lm_head=flag(
-            spec.get("shares_target_lm_head", not vocab), f"{where}.shares_target_lm_head"
-        ),
+        shares_target_lm_head=spec.get("shares_target_lm_head", not vocab),
         source=source,
         lm_head_vocab=vocab,
     )
@@ -539,7 +524,7 @@ def _deployment(raw: Any, tp: int, where: str) -> Deployment:
     moe_ep = 4 }`` (tensor-parallel attention over the group, routed experts as moe_ep groups
     of moe_tp GPUs: moe_tp x moe_ep = tp)."""
     if isinstance(raw, dict):
-        check_keys(raw, {"attention", "moe_tp", "moe_ep"}, where)
+        parse(ParallelTable, raw, where)
         if raw.get("attention", "tp") != "tp":
             raise ScenarioError(
                 f"{where}.attention: {raw['attention']!r}; a table takes tensor-parallel "
@@ -678,13 +663,12 @@ def _param_entry(name: str, raw: Any, spec: ParamSpec, where: str):
     ``{value = v, fit = true}`` makes v the prior's centre."""
     dim = _PARAM_DIMS[spec.unit]
     if isinstance(raw, dict):
-        check_keys(raw, {"value", "range", "fit", "source"}, where)
-        text(raw.get("source", ""), f"{where}.source")
+        parse(ParamTable, raw, where)
         value = _positive(raw["value"], dim, f"{where}.value") if "value" in raw else None
         rng = _value(raw["range"], dim, f"{where}.range") if "range" in raw else None
         if rng is not None and not isinstance(rng, Range):
             raise ScenarioError(f"{where}.range: expected [low, high]")
-        fit = flag(raw.get("fit", spec.fit), f"{where}.fit")
+        fit = raw.get("fit", spec.fit)
     else:
         v = _value(raw, dim, where)
         value, rng, fit = (None, v, spec.fit) if isinstance(v, Range) else (v, None, False)
@@ -728,36 +712,10 @@ def load_scenario(
         raise ScenarioError(msg if msg.startswith(where) else f"{where}: {msg}") from None
 
 
-_TABLES = ("model", "drafter", "deployment", "hardware", "link", "engine", "parameters",
-           "report", "records")  # fmt: skip
-_ARRAYS = ("anchor", "scenario")
-
-
-def _sections(data: dict, where: str) -> None:
-    """Each top-level section is of its kind: ``title`` a string, ``[model]`` ... tables,
-    ``[[anchor]]`` and ``[[scenario]]`` arrays of tables."""
-    check_keys(data, {"title", *_TABLES, *_ARRAYS}, where)
-    if "title" in data:
-        text(data["title"], f"{where}: title")
-    for name in _TABLES:
-        if name in data and not isinstance(data[name], dict):
-            raise ScenarioError(
-                f"{where}: {name} must be a table ([{name}]), got {type_name(data[name])}"
-            )
-    for name in _ARRAYS:
-        if name in data and not (
-            isinstance(data[name], list) and all(isinstance(x, dict) for x in data[name])
-        ):
-            raise ScenarioError(
-                f"{where}: {name} must be an array of tables ([[{name}]]), got "
-                f"{type_name(data[name])}"
-            )
-
-
 def _parse(
     data: dict, where: str, base_dir: Path, records_hw: dict, allow_oversubscribe: bool = False
 ) -> ScenarioFile:
-    _sections(data, where)
+    parse(ScenarioDoc, data, where, top=True, names=SCENARIO_NAMES)
     if "model" not in data:
         raise ScenarioError(f"{where}: missing [model] (preset = ... or config = ...)")
     model = load_model(data["model"], where, base_dir)
@@ -767,13 +725,10 @@ def _parse(
     engines = dict(ENGINES)
     for name, entry in (data.get("engine") or {}).items():
         w = f"{where}: engine.{name}"
-        if not isinstance(entry, dict):
-            raise ScenarioError(f"{w} must be a table")
-        check_keys(entry, {*ENGINE_PARAMS, "about"}, w)
         base = engines.get(name, ENGINES["eager"])
         times = {f"{f}_s": _positive(entry[f], u.TIME, f"{w}.{f}") for f in ENGINE_PARAMS
                  if f in entry}  # fmt: skip
-        about = text(entry.get("about", base.about), f"{w}.about")
+        about = entry.get("about", base.about)
         engines[name] = replace(base, name=name, about=about, **times)
     specs = default_params(engines)
     fixed = {}
@@ -785,7 +740,6 @@ def _parse(
         if pinned is not None:
             fixed[name] = pinned
     deploy = data.get("deployment") or {}
-    check_keys(deploy, _DEPLOY, f"{where}: deployment")
     ctx = ParseContext(where, hardware, engines, deploy, drafter, [], base_dir, links,
                        allow_oversubscribe)  # fmt: skip
     anchors: list[Anchor] = []
@@ -797,13 +751,10 @@ def _parse(
     cases = []
     for i, s in enumerate(data.get("scenario") or []):
         cases.append(_case(s, i, ctx, specs, names, model))
-    report = data.get("report") or {}
-    check_keys(report, {"hardware"}, f"{where}: report")
-    sweep = strings(report.get("hardware", []), f"{where}: report.hardware")
+    sweep = (data.get("report") or {}).get("hardware", [])
     for h in sweep:
         _hardware_ref(h, hardware, f"{where}: report.hardware")
     recs = data.get("records") or {}
-    check_keys(recs, {"paths"}, f"{where}: records")
     return ScenarioFile(
         path=where,
         title=data.get("title", Path(where).stem),
@@ -816,9 +767,7 @@ def _parse(
         anchors=anchors,
         cases=cases,
         sweep_hardware=sweep,
-        records=[
-            str(base_dir / p) for p in strings(recs.get("paths", []), f"{where}: records.paths")
-        ],
+        records=[str(base_dir / p) for p in recs.get("paths", [])],
         notes=ctx.notes,
         deployment=dict(deploy),
         links=links,
@@ -826,9 +775,7 @@ def _parse(
     )
 
 
-STEP_ANCHOR_KEYS = {"hardware", "block_size", "budget", "tau", "tokens_per_s", "step", "tpot",
-                    "itl", "metric", "prompt_tokens", "output_tokens", "counts_prompt",
-                    "ttft"} | _DEPLOY  # fmt: skip
+STEP_ANCHOR_KEYS = set(StepFields.model_fields)
 _FIGURE_FIELDS = {"tpot": ("tokens_per_s", "step", "tpot"), "itl": ("itl",),
                   "e2e_tokens_per_s": ("tokens_per_s",)}  # fmt: skip
 
@@ -902,20 +849,16 @@ def step_anchor(
 
 
 def _anchor(a, i: int, model: ModelShape, ctx: ParseContext) -> Anchor:
-    where = ctx.where
-    w = f"{where}: anchor[{i}]"
-    if not isinstance(a, dict):
-        raise ScenarioError(f"{w}: must be a table ([[anchor]])")
+    name = a.get("name", f"anchor{i}")
+    w = f"{ctx.where}: anchor[{i}]" + (f" ({name})" if isinstance(name, str) else "")
     kind = a.get("kind", "step")
-    name = text(a.get("name", f"anchor{i}"), f"{w}.name")
-    w = f"{where}: anchor[{i}] ({name})"
-    source = text(a.get("source", ""), f"{w}.source")
+    if kind in ("step", "moe_layer"):  # each kind's own fields
+        parse(StepAnchorTable if kind == "step" else MoeAnchorTable, a, w)
+    source = a.get("source", "")
     noise = noise_of(a.get("noise"), w)
     if kind == "step":
-        check_keys(a, STEP_ANCHOR_KEYS | {"kind", "name", "source", "noise"}, w)
         return step_anchor(a, name, model, ctx.drafter, ctx, w, source, noise)
     if kind == "moe_layer":
-        check_keys(a, {"kind", "name", "hardware", "m", "time", "tp", "source", "noise"}, w)
         for key in ("hardware", "m", "time"):
             if key not in a:
                 raise ScenarioError(f"{w}: missing field '{key}'")
@@ -940,21 +883,14 @@ def _anchor(a, i: int, model: ModelShape, ctx: ParseContext) -> Anchor:
 def _case(
     s, i: int, ctx: ParseContext, specs: dict[str, ParamSpec], anchor_names, model: ModelShape
 ) -> ScenarioCase:
-    if not isinstance(s, dict):
-        raise ScenarioError(f"{ctx.where}: scenario[{i}] must be a table ([[scenario]])")
-    name = text(s.get("name", f"scenario{i}"), f"{ctx.where}: scenario[{i}].name")
+    """One ``[[scenario]]`` entry, its fields checked by ``ScenarioDoc``."""
+    name = s.get("name", f"scenario{i}")
     w = f"{ctx.where}: scenario[{i}] ({name})"
-    check_keys(
-        s,
-        {"name", "question", "hardware", "block_size", "budget", "tau", "anchors", "parameters",
-         "article", "drafter"} | _DEPLOY,
-        w,
-    )  # fmt: skip
     d = drafter_from(s["drafter"], f"{w}.drafter") if "drafter" in s else ctx.drafter
     point = _point(s, ctx, d, w, model)
     tau_source = ""
     if isinstance(s.get("tau"), dict):  # tau = { records = "acc.jsonl" }: measured
-        from ddtree.perf.acceptance import tau_from_records
+        from ddtree.perf.inputs.acceptance import tau_from_records
 
         measured = tau_from_records(
             s["tau"], point.policy, point.block_size, point.budget, ctx.base_dir, f"{w}.tau"
@@ -966,12 +902,11 @@ def _case(
         tau = _tau(s.get("tau"), point, w)
     anchors = s.get("anchors")
     if anchors is not None:
-        strings(anchors, f"{w}.anchors")
         bad = [a for a in anchors if a not in anchor_names]
         if bad:
             raise ScenarioError(f"{w}.anchors: unknown {bad}; anchors are {anchor_names}")
     overrides: dict[str, Value] = {}
-    for pname, raw in table(s.get("parameters", {}), f"{w}.parameters").items():
+    for pname, raw in s.get("parameters", {}).items():
         if pname not in specs:
             raise unknown_parameter(pname, specs, f"{w}.parameters.{pname}")
         v = _value(raw, _PARAM_DIMS[specs[pname].unit], f"{w}.parameters.{pname}")
@@ -982,16 +917,15 @@ def _case(
     article = None
     if "article" in s:
         aw = f"{w}.article"
-        art = table(s["article"], aw)
-        check_keys(art, {"tokens_per_s", "step", "moe", "note"}, aw)
+        art = s["article"]
         article = Article(
             tokens_per_s=_rate_or_range(art["tokens_per_s"], f"{aw}.tokens_per_s")
             if "tokens_per_s" in art
             else None,
             step_s=_positive(art["step"], u.STEP_TIME, f"{aw}.step") if "step" in art else None,
             moe_s=_positive(art["moe"], u.STEP_TIME, f"{aw}.moe") if "moe" in art else None,
-            note=text(art.get("note", ""), f"{aw}.note"),
+            note=art.get("note", ""),
         )
-    question = text(s.get("question", ""), f"{w}.question")
+    question = s.get("question", "")
     ctx.check(model, point, w)
     return ScenarioCase(name, point, tau, anchors, overrides, article, question, tau_source)

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ddtree.perf.cost import ParamSpec, moe_layer_s, prefill_cost, step_cost
-from ddtree.perf.scenario import Anchor, MoeAnchor, StageAnchor, StepAnchor
+from ddtree.perf.cost.step import ParamSpec, moe_layer_s, prefill_cost, step_cost
+from ddtree.perf.inputs.scenario import Anchor, MoeAnchor, StageAnchor, StepAnchor
 from ddtree.vocab import Stage
 
 

@@ -26,7 +26,7 @@ class Range:
 Value = float | Range
 
 
-# ---- the type of a field as TOML gives it: one check per kind, naming the field -------------
+# ---- the type of a field the schema (``inputs/schema.py``) leaves open, naming the field ------
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
                list: "a list", dict: "a table"}  # fmt: skip
@@ -44,24 +44,10 @@ def text(raw: object, where: str) -> str:
     return raw
 
 
-def table(raw: object, where: str) -> dict:
-    """A field that must be a TOML table."""
-    if not isinstance(raw, dict):
-        raise ScenarioError(f"{where}: expected a table, got {type_name(raw)} ({raw!r:.60})")
-    return raw
-
-
 def flag(raw: object, where: str) -> bool:
     """A field that must be true or false."""
     if not isinstance(raw, bool):
         raise ScenarioError(f"{where}: expected true or false, got {type_name(raw)} ({raw!r:.60})")
-    return raw
-
-
-def strings(raw: object, where: str) -> list[str]:
-    """A field that must be a list of strings."""
-    if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
-        raise ScenarioError(f"{where}: expected a list of strings, got {raw!r:.60}")
     return raw
 
 

@@ -47,8 +47,8 @@ from importlib import resources
 
 import numpy as np
 
-from ddtree.perf.catalog import GENERATIONS, Hardware, Link, load_hosts
-from ddtree.perf.model import COMPUTE_PRECISION, PRECISION_BYTES, ModelShape
+from ddtree.perf.hardware.catalog import GENERATIONS, Hardware, Link, load_hosts
+from ddtree.perf.shapes.model import COMPUTE_PRECISION, PRECISION_BYTES, ModelShape
 from ddtree.vocab import AR, DEFAULT_POLICY, Drafting, Policy, Stage, get_policy
 
 

@@ -24,10 +24,10 @@ from importlib import resources
 
 import numpy as np
 
-from ddtree.perf.calibrate import Calibration, PosteriorDraws, posterior_samples
-from ddtree.perf.cost import Amdahl, StepCost, amdahl, step_cost
-from ddtree.perf.model import ModelShape
-from ddtree.perf.scenario import Range, ScenarioCase, Value
+from ddtree.perf.cost.step import Amdahl, StepCost, amdahl, step_cost
+from ddtree.perf.inputs.scenario import Range, ScenarioCase, Value
+from ddtree.perf.projection.calibrate import Calibration, PosteriorDraws, posterior_samples
+from ddtree.perf.shapes.model import ModelShape
 from ddtree.vocab import AR
 
 PERCENTILES = (10, 50, 90)

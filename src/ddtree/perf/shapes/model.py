@@ -854,7 +854,7 @@ def read_config(path: Path, where: str | None = None) -> dict[str, Any]:
     return cfg
 
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
+CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 # presets read from the published config.json shipped beside this module (one source of truth)
 _CONFIG_PRESETS = {
     "llama-4-scout": ("meta-llama--Llama-4-Scout-17B-16E-Instruct.json", ""),

@@ -42,29 +42,35 @@ import hashlib
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from pydantic import field_validator
 
-from ddtree.perf import units as u
-from ddtree.perf.calibrate import Calibration, anchor_tokens_per_s, calibrate, posterior_samples
-from ddtree.perf.catalog import CatalogError, load_catalog
-from ddtree.perf.cost import ENGINES, default_params
-from ddtree.perf.model import ModelError, load_model
-from ddtree.perf.scenario import (
-    STEP_ANCHOR_KEYS,
+from ddtree.perf.cost.step import ENGINES, default_params
+from ddtree.perf.hardware import units as u
+from ddtree.perf.hardware.catalog import CatalogError, load_catalog
+from ddtree.perf.inputs.scenario import (
     ParseContext,
     ScenarioError,
     StepAnchor,
-    check_keys,
     drafter_from,
     hardware_tables,
     link_tables,
     step_anchor,
 )
-from ddtree.perf.uncertainty import model_form_kind
+from ddtree.perf.inputs.schema import DrafterTable, StepFields, Table, parse
+from ddtree.perf.projection.calibrate import (
+    Calibration,
+    anchor_tokens_per_s,
+    calibrate,
+    posterior_samples,
+)
+from ddtree.perf.projection.uncertainty import model_form_kind
+from ddtree.perf.shapes.model import ModelError, load_model
 
 EXPLAIN_ABOVE = 0.30  # a point off by more than this must carry a note
-BUNDLED = Path(__file__).parent / "data" / "validation"
+BUNDLED = Path(__file__).parents[1] / "data" / "validation"
 """The published corpus shipped with the package (``examples/validation`` links to it)."""
 TEST_FRACTION = 0.30
 SPLIT_FILE = "test_split.txt"
@@ -110,9 +116,60 @@ SOURCE_KINDS: dict[str, SourceKind] = {
                    "unstated, one run"),
     )
 }  # fmt: skip
-_SOURCE_KEYS = {"key", "kind", "title", "url", "where", "published"}
-_POINT_KEYS = STEP_ANCHOR_KEYS | {"name", "what", "model", "drafter", "engine_name", "note",
-                                  "measured", "assumed"}  # fmt: skip
+
+
+# ---- a corpus file, as pydantic models (``ddtree.perf.inputs.schema``) ------------------------
+
+
+class SourceTable(Table):
+    """``[source]``: the citation (``key`` and ``url`` required, checked by the reader so the
+    message says both) and its kind, which sets every point's noise."""
+
+    key: str | None = None
+    kind: Any = None
+    title: str | None = None
+    url: str | None = None
+    where: str | None = None
+    published: Any = None
+
+
+class PointDefaults(StepFields):
+    """``[defaults]``: any field of a point but its name, for every point of the file."""
+
+    what: str | None = None
+    model: Any = None
+    drafter: DrafterTable | None = None
+    engine_name: str | None = None
+    note: str | None = None
+    measured: str | None = None
+    assumed: Any = None
+    noise: Any = None  # refused: the source's kind sets it
+
+    @field_validator("noise")
+    @classmethod
+    def _no_noise(cls, raw: Any) -> Any:
+        raise ValueError(
+            "a validation point takes its noise from its source's kind "
+            f"({', '.join(f'{k.name} {k.noise:.0%}' for k in SOURCE_KINDS.values())}); "
+            "per-point noise is not allowed"
+        )
+
+
+class PointTable(PointDefaults):
+    """``[[point]]``: one published measurement, as a step anchor plus what the source says."""
+
+    name: str | None = None
+
+
+class CorpusFile(Table):
+    source: SourceTable | None = None
+    defaults: PointDefaults | None = None
+    point: list[dict[str, Any]] | None = None
+    hardware: dict[str, dict[str, Any]] | None = None
+    link: dict[str, dict[str, Any]] | None = None
+
+
+_POINT_KEYS = set(PointTable.model_fields) - {"noise"}
 
 
 @dataclass(frozen=True)
@@ -274,11 +331,10 @@ def _load_file(path: Path) -> list[ValidationPoint]:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"{where}: not valid TOML ({exc})") from None
-    check_keys(data, {"source", "defaults", "point", "hardware", "link"}, where)
     src = data.get("source")
     if not isinstance(src, dict) or not src.get("key") or not src.get("url"):
         raise ScenarioError(f"{where}: [source] needs 'key' and 'url' (the citation)")
-    check_keys(src, _SOURCE_KEYS, f"{where}: source")
+    parse(CorpusFile, data, where, top=True)
     kind = src.get("kind")
     if kind not in SOURCE_KINDS:
         raise ScenarioError(
@@ -288,20 +344,15 @@ def _load_file(path: Path) -> list[ValidationPoint]:
     source = Source(str(src["key"]), SOURCE_KINDS[kind], str(src.get("title", "")),
                     str(src["url"]), str(src.get("where", "")), where)  # fmt: skip
     defaults = data.get("defaults") or {}
-    _no_noise(defaults, f"{where}: defaults")
-    check_keys(defaults, _POINT_KEYS - {"name"}, f"{where}: defaults")
     hardware = hardware_tables(data.get("hardware"), where, load_catalog())
     ctx = ParseContext(where, hardware, dict(ENGINES), {}, None, [], path.parent,
                        link_tables(data.get("link"), where))  # fmt: skip
     out = []
     for i, raw in enumerate(data.get("point") or []):
-        if not isinstance(raw, dict):
-            raise ScenarioError(f"{where}: point[{i}] must be a table ([[point]])")
         a = {**defaults, **raw}
-        name = str(a.get("name", f"{source.key}-{i}"))
-        w = f"{where}: point[{i}] ({name})"
-        _no_noise(raw, w)
-        check_keys(a, _POINT_KEYS, w)
+        name = a.get("name", f"{source.key}-{i}")
+        w = f"{where}: point[{i}]" + (f" ({name})" if isinstance(name, str) else "")
+        parse(PointTable, raw, w)
         for key in ("model", "what"):
             if key not in a:
                 raise ScenarioError(f"{w}: missing field '{key}'")
@@ -331,15 +382,6 @@ def _assumed(raw, point: dict, where: str) -> tuple[str, ...]:
                 f"({', '.join(sorted(_POINT_KEYS))})"
             )
     return tuple(dict.fromkeys(raw))
-
-
-def _no_noise(table: dict, where: str) -> None:
-    if "noise" in table:
-        raise ScenarioError(
-            f"{where}.noise: a validation point takes its noise from its source's kind "
-            f"({', '.join(f'{k.name} {k.noise:.0%}' for k in SOURCE_KINDS.values())}); "
-            "per-point noise is not allowed"
-        )
 
 
 def _predict(a: StepAnchor, cal: Calibration, samples: int, seed: int):

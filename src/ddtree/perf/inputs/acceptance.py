@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddtree.perf.values import Range, ScenarioError, Value, text
+from ddtree.perf.inputs.values import Range, ScenarioError, Value, text
 from ddtree.records import Acceptance, RecordError, read_records
 from ddtree.vocab import Policy, get_policy
 

@@ -8,7 +8,7 @@ For every hardware and every (policy, budget) the acceptance records hold::
 ``tau(N)`` is measured (``ddtree replay tau``: a bootstrap interval over prompts, drawn as a
 triangular range); ``step_s(N)`` is the estimator's cost model at the scenario's deployment
 on that hardware, calibrated on the anchors (posterior samples). p10/p50/p90 come from one
-Monte Carlo over both (``ddtree.perf.uncertainty.run_case``). The best budget maximises the
+Monte Carlo over both (``ddtree.perf.projection.uncertainty.run_case``). The best budget maximises the
 p50; the *flat region* is every budget whose p50 is within 5% of it (where the choice hardly
 matters). "Why" compares the best budget with the largest one: tau's gain against the step's
 growth, and the cost component that grows most.
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.perf.acceptance import MeasuredTau
-from ddtree.perf.calibrate import Calibration
-from ddtree.perf.scenario import ScenarioCase, ScenarioError, ScenarioFile, StepAnchor
-from ddtree.perf.uncertainty import run_case
+from ddtree.perf.inputs.acceptance import MeasuredTau
+from ddtree.perf.inputs.scenario import ScenarioCase, ScenarioError, ScenarioFile, StepAnchor
+from ddtree.perf.projection.calibrate import Calibration
+from ddtree.perf.projection.uncertainty import run_case
 from ddtree.vocab import Policy
 
 FLAT_WITHIN = 0.05  # a budget is in the flat region when its p50 is within 5% of the best

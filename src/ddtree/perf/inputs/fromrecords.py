@@ -29,10 +29,10 @@ import json
 
 import numpy as np
 
-from ddtree.perf.catalog import Hardware, match_gpu, this_machine, with_measured_allreduce
-from ddtree.perf.cost import DEPLOYMENTS, Drafter, Point, default_params, params_at, step_cost
-from ddtree.perf.model import ModelError, ModelShape, shape_from_config
-from ddtree.perf.scenario import MoeAnchor, ScenarioError, StageAnchor, StepAnchor
+from ddtree.perf.cost.step import DEPLOYMENTS, Drafter, Point, default_params, params_at, step_cost
+from ddtree.perf.hardware.catalog import Hardware, match_gpu, this_machine, with_measured_allreduce
+from ddtree.perf.inputs.scenario import MoeAnchor, ScenarioError, StageAnchor, StepAnchor
+from ddtree.perf.shapes.model import ModelError, ModelShape, shape_from_config
 from ddtree.records import BenchAllreduce, BenchBandwidth, BenchMoe, EngineRun, HardwareInfo, Record
 from ddtree.vocab import EngineMode, Stage, get_policy
 

@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.files import replace_atomically
-from ddtree.perf import units as u
-from ddtree.perf.calibrate import Backtest
-from ddtree.perf.catalog import load_hosts
-from ddtree.perf.cost import LIMITS, link_class
-from ddtree.perf.estimate import Estimate, records_warning
-from ddtree.perf.fromrecords import PROFILE_OF_MODE
-from ddtree.perf.physics import memory_per_gpu
-from ddtree.perf.scenario import Range, StageAnchor, StepAnchor
-from ddtree.perf.uncertainty import CaseResult, point_value
+from ddtree.perf.cost.physics import memory_per_gpu
+from ddtree.perf.cost.step import LIMITS, link_class
+from ddtree.perf.hardware import units as u
+from ddtree.perf.hardware.catalog import load_hosts
+from ddtree.perf.inputs.fromrecords import PROFILE_OF_MODE
+from ddtree.perf.inputs.scenario import Range, StageAnchor, StepAnchor
+from ddtree.perf.projection.calibrate import Backtest
+from ddtree.perf.projection.estimate import Estimate, records_warning
+from ddtree.perf.projection.uncertainty import CaseResult, point_value
 from ddtree.vocab import Stage
 
 
@@ -419,7 +419,7 @@ def _case_lines(est: Estimate, r: CaseResult) -> list[str]:
     )
     out.append(f"tau = {_tau(r.case.tau)} [{r.case.tau_source or 'assumed: scenario input'}]")
     if m.n_routed_experts:
-        from ddtree.perf.cost import experts_touched
+        from ddtree.perf.cost.step import experts_touched
 
         e = float(experts_touched(m.n_routed_experts, m.top_k, pt.verify_width * pt.concurrency))
         out.append(
@@ -556,12 +556,12 @@ def write_report(
     samples: int = 1000,
     on_written: Callable[[Path], None] | None = None,
 ) -> list[Path]:
-    """report.md and its PNGs (``ddtree.perf.plots``): the breakdown per case, tokens/s
+    """report.md and its PNGs (``ddtree.perf.report.plots``): the breakdown per case, tokens/s
     against tau per hardware for the last case with a drafter, tokens/s against the budget
     for the cases that sweep one. ``samples``: Monte Carlo draws behind each plotted point.
     Each file is written whole as soon as it is made (``on_written(path)`` after each),
     report.md last, so an interrupt keeps the finished plots and leaves no partial file."""
-    from ddtree.perf import plots
+    from ddtree.perf.report import plots
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -659,7 +659,7 @@ def _validation_rows(v) -> list[dict[str, Any]]:
 
 
 def _scores(rows) -> dict[str, Any]:
-    from ddtree.perf.validate import BANDS, coverage, mape, pairs
+    from ddtree.perf.validation.corpus import BANDS, coverage, mape, pairs
 
     spec = [r for r in rows if r.speculative]
     paired = pairs(rows)
@@ -679,7 +679,7 @@ def _scores(rows) -> dict[str, Any]:
 
 
 def validation_json(v) -> str:
-    from ddtree.perf.validate import EXPLAIN_ABOVE, SOURCE_KINDS, TEST_FRACTION
+    from ddtree.perf.validation.corpus import EXPLAIN_ABOVE, SOURCE_KINDS, TEST_FRACTION
 
     doc = {
         "folder": v.folder,
@@ -718,8 +718,8 @@ def _score_line(name: str, rows) -> str:
 def validation_table(v, console) -> None:
     from rich.table import Table
 
-    from ddtree.perf.validate import EXPLAIN_ABOVE
-    from ddtree.perf.validate import mape as _mape
+    from ddtree.perf.validation.corpus import EXPLAIN_ABOVE
+    from ddtree.perf.validation.corpus import mape as _mape
 
     for split, how in (
         ("train", "each predicted from the other train sources (leave-one-source-out)"),

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.perf.consistency import mismatch_warning
+from ddtree.perf.inputs.consistency import mismatch_warning
 from ddtree.records import EngineRun
 from ddtree.vocab import STEP_STAGES, Stage
 

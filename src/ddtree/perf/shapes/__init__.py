@@ -1,0 +1,1 @@
+"""Room 2: model shapes (``ModelShape``), presets and the ``config.json`` readers."""
