@@ -96,6 +96,9 @@ COMMAND_CASES = [
     Case("serve--api-key=non-ascii", "serve --port 0 --api-key kéy", ("--api-key", "printable ASCII")),
     Case("serve--api-key=control", "serve --port 0 --api-key <tab-key>", ("--api-key", "printable ASCII")),
     Case("estimate--train-budgets=all", f"estimate --backtest {RUNS} {TRAIN} 8,16,32,64,128,256", (TRAIN, "no run to predict")),
+    Case("estimate--train-concurrency=absent", f"estimate --backtest {RUNS} --train-concurrency 4", ("--train-concurrency", "concurrency 4", "runs at concurrency 1")),
+    Case("estimate--train-concurrency=all", f"estimate --backtest {RUNS} --train-concurrency 1", ("--train-concurrency", "no run to predict")),
+    Case("estimate--train-both", f"estimate --backtest {RUNS} {TRAIN} 8 --train-concurrency 1", ("--train-concurrency", "not allowed with")),
 ]  # fmt: skip
 
 # ---- sampling values float32 cannot hold (the floors in ddtree.vocab) ---------------------

@@ -310,3 +310,18 @@ def test_compiled_rows_equal_ar_and_the_same_requests_alone(target, drafter, poo
     results = engine.run([BatchRequest(pool[i][0], c) for i, c in enumerate(configs)])
     for i, (got, c) in enumerate(zip(results, configs, strict=True)):
         assert got.tokens == pool[i][1][: c.max_new_tokens], i
+
+
+def test_the_steady_state_keeps_the_steps_with_every_row_decoding():
+    from ddtree.engine.batch import BatchStep
+    from ddtree.engine.sweep import steady_state
+
+    def step(rows, decoding, seconds, tokens):
+        return BatchStep(rows, [], seconds, tokens, decoding, {"verify": seconds / 2})
+
+    steps = [step(4, 0, 9.0, 4), step(4, 4, 1.0, 12), step(4, 4, 3.0, 8), step(3, 3, 0.5, 3)]
+    got = steady_state(steps, 4)  # the prefill-only step and the 3-row tail are left out
+    assert got["tokens_per_s"] == 20 / 4.0 and got["step_s_mean"] == 2.0
+    assert got["mean_tau"] == 20 / 8 and got["rows_mean"] == 4 and got["steps"] == 2
+    assert got["stage_s_mean"] == {"verify": 1.0}
+    assert steady_state(steps, 8)["rows_mean"] == 11 / 3  # never 8 rows: every decode step

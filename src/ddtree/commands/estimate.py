@@ -37,10 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         help="leave-one-out over the records' engine runs (calibrate without one, predict it)",
     )
-    p.add_argument(
+    train = p.add_mutually_exclusive_group()
+    train.add_argument(
         "--train-budgets",
         type=int_list,
         help="with --backtest: calibrate on runs at these budgets, predict the others",
+    )
+    train.add_argument(
+        "--train-concurrency",
+        type=int_list,
+        help="with --backtest: calibrate on runs at these request counts C (bench engine "
+        "--concurrency), predict the others: the model's C-scaling against measured runs",
     )
     p.add_argument(
         "--validate",
@@ -103,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             mixed = records_warning(sf)
             if mixed:
                 print(f"warning: {mixed}", file=sys.stderr)
-            bt = run_backtest(sf, args.train_budgets)
+            bt = run_backtest(sf, args.train_budgets, args.train_concurrency)
             if not bt.rows:
                 print(
                     "ddtree estimate: --backtest found no engine_run records to hold out",

@@ -93,6 +93,8 @@ class BatchStep:
     step_s: float = 0.0  # the step's wall seconds (every row's step)
     tokens: int = 0  # tokens the step gave its rows (a joining row's first token included)
     decoding: int = 0  # rows that verified a tree (the others joined: their prompt's prefill)
+    stage_s: dict = field(default_factory=dict)  # the step's seconds by stage
+    tree_tokens: int = 0  # tokens of the verified trees (root included), all rows
 
 
 class BatchEngine:
@@ -273,11 +275,15 @@ class BatchEngine:
             else:
                 result.steps.append(StepTimings(timing.step_s, dict(timing.stage_s), tau))
                 result.taus.append(tau)
+                result.tree_nodes.append(row.tree.n_nodes - 1)
             if row.request.on_commit is not None:
                 row.request.on_commit(result.tokens[before:])
             if stop is not None:
                 finished.append(self._leave(row, stop))
-        return BatchStep(len(rows), finished, timing.step_s, made, len(verifying))
+        trees = sum(r.tree.n_nodes for r in verifying)
+        return BatchStep(
+            len(rows), finished, timing.step_s, made, len(verifying), dict(timing.stage_s), trees
+        )
 
     def abort(self) -> list[int]:
         """Drop every request, running or waiting, without results (a step failed under

@@ -129,6 +129,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     compile_s: float = 0.0  # warm-up compiles before the prefill (compiled mode), not in steps
     stop_reason: str = "max_new_tokens"  # "max_new_tokens" | "eos" | "stop_string"
+    tree_nodes: list[int] = field(default_factory=list)  # non-root nodes each step verified
 
     @property
     def decode_s(self) -> float:
@@ -208,6 +209,7 @@ def generate(
         tau = len(tokens) - before  # the step's tokens that are returned, after any stop
         result.steps.append(clock.end(tau))
         result.taus.append(tau)
+        result.tree_nodes.append(tree.n_nodes - 1)
         budget.observe(tree, accept.tau, result.steps[-1].step_s)
         if on_commit is not None:
             on_commit(tokens[before:])

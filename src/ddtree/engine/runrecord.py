@@ -94,6 +94,9 @@ def engine_run_record(
     figures = summarize(results)
     if summary is not None:
         figures.update({k: v for k, v in summary.items() if k in figures})
+    budget = config.rules.budget(config.block_size, config.budget)
+    if config.auto_budget:  # the trees it verified, not the one it built them from
+        budget = max(1, round(_mean_tree_nodes(results, summary)))
     policy = config.rules
     compiled = config.engine_mode != EngineMode.EAGER
     return EngineRun(
@@ -101,7 +104,7 @@ def engine_run_record(
         provenance=this_process("ddtree.engine"),
         policy=config.policy,
         block_size=policy.block(config.block_size),
-        budget=policy.budget(config.block_size, config.budget),
+        budget=budget,
         temperature=config.temperature,
         top_k=config.top_k,
         top_p=config.top_p,
@@ -123,3 +126,12 @@ def engine_run_record(
         points=step_points(results, prompt_lens),
         **figures,
     )
+
+
+def _mean_tree_nodes(results: Sequence[GenerationResult], summary: dict | None) -> float:
+    """Non-root nodes of the trees a ``--budget auto`` run verified, per step: the batch's
+    steady state when it says, else the results' own (``GenerationResult.tree_nodes``)."""
+    if summary is not None and "tree_nodes_mean" in summary:
+        return summary["tree_nodes_mean"]
+    nodes = [n for r in results for n in r.tree_nodes]
+    return sum(nodes) / len(nodes) if nodes else 0.0

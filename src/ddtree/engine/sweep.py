@@ -96,11 +96,8 @@ def sweep_batched(
 ) -> Iterator[list[SweepPoint]]:
     """Every config at every concurrency C (``ddtree.engine.batch``: C requests decoded
     together, the next prompt joining as one finishes); after each (C, config), yield the
-    points so far. A point's ``tokens_per_s`` is the aggregate over its rows (the tokens its
-    decode steps made / those steps' wall seconds; a step that only prefilled joining rows is
-    left out, as ``generate`` leaves its prefill out; a step where rows join beside decoding
-    ones is counted whole), ``step_s_mean`` a batched step's, ``rows_mean`` the decoding rows
-    per step. An untimed warm-up per (C, config) first (compiles, in compiled mode)."""
+    points so far. A point's figures are its steady state (:func:`steady_state`): tokens/s
+    over all C rows, a batched step's mean and stages, tau per row. An untimed warm-up per (C, config) first (compiles, in compiled mode)."""
     from ddtree.engine.batch import BatchEngine, BatchRequest, row_slots
 
     if not prompts:
@@ -128,15 +125,34 @@ def sweep_batched(
                 for i, result in enumerate(results):
                     on_result(config, i, result)
             summary = summarize(results)
-            decoding = [s for s in steps if s.decoding]  # not the steps that only prefilled
-            wall_s = sum(s.step_s for s in decoding)
-            summary["tokens_per_s"] = sum(sum(r.taus) for r in results) / wall_s
-            summary["step_s_mean"] = wall_s / len(decoding)
-            summary["rows_mean"] = sum(s.decoding for s in decoding) / len(decoding)
+            summary.update(steady_state(steps, c))
             summary["compile_s"] = compile_s
             points.append(SweepPoint(config, results, summary, None, c))
             _compare_with_ar(points)
             yield list(points)
+
+
+def steady_state(steps: Sequence, rows: int) -> dict:
+    """The figures of a batched run at ``rows`` requests (``BatchStep``s): over the steps
+    where all ``rows`` rows decode and none joins (every decode step when there are none:
+    fewer prompts than rows), so that tokens/s = rows x tau / step holds as the estimator
+    reads a record at concurrency ``rows``. Example: steps of 4, 4, 3 decoding rows at C = 4
+    -> the first two."""
+    decoding = [s for s in steps if s.decoding]
+    steady = [s for s in decoding if s.decoding == s.rows == rows] or decoding
+    wall_s = sum(s.step_s for s in steady)
+    tokens = sum(s.tokens for s in steady)
+    n_rows = sum(s.decoding for s in steady)
+    stages = steady[0].stage_s.keys()
+    return {
+        "tokens_per_s": tokens / wall_s,
+        "step_s_mean": wall_s / len(steady),
+        "mean_tau": tokens / n_rows,
+        "rows_mean": n_rows / len(steady),
+        "tree_nodes_mean": sum(s.tree_tokens for s in steady) / n_rows - 1,  # per row
+        "stage_s_mean": {k: sum(s.stage_s[k] for s in steady) / len(steady) for k in stages},
+        "steps": len(steady),
+    }
 
 
 def _points(configs, results, compile_s) -> list[SweepPoint]:

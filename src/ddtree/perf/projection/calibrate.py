@@ -367,27 +367,34 @@ class Backtest:
         return float(np.mean([abs(r.rel_error) for r in self.rows])) if self.rows else float("nan")
 
 
-def check_train_budgets(anchors: Sequence[Anchor], train_budgets: Sequence[int]) -> None:
-    """``--train-budgets`` must name budgets the engine runs were measured at: otherwise the
-    calibration sees none of them and the "held-out" error is of an uncalibrated model."""
-    present = sorted({a.point.budget for a in anchors if isinstance(a, StepAnchor)})
-    absent = [b for b in dict.fromkeys(train_budgets) if b not in present]
+TRAIN_FLAGS = {"budget": "--train-budgets", "concurrency": "--train-concurrency"}
+"""What a backtest may calibrate on and hold out by: a step's point field -> its flag."""
+
+
+def check_train_values(
+    anchors: Sequence[Anchor], values: Sequence[int], field: str = "budget"
+) -> None:
+    """``--train-budgets`` / ``--train-concurrency`` must name values the engine runs were
+    measured at: otherwise the calibration sees none of them and the "held-out" error is of
+    an uncalibrated model."""
+    present = sorted({getattr(a.point, field) for a in anchors if isinstance(a, StepAnchor)})
+    absent = [b for b in dict.fromkeys(values) if b not in present]
     if absent:
         raise ValueError(
-            f"--train-budgets: no engine run at budget {', '.join(map(str, absent))}; the "
-            f"records hold runs at budgets {', '.join(map(str, present)) or '(none)'}"
+            f"{TRAIN_FLAGS[field]}: no engine run at {field} {', '.join(map(str, absent))}; "
+            f"the records hold runs at {field} {', '.join(map(str, present)) or '(none)'}"
         )
 
 
-def training_anchors(anchors: Sequence[Anchor], train_budgets: Sequence[int]) -> list[Anchor]:
-    """The anchors a calibration on ``train_budgets`` sees: every anchor that is not part of
-    an engine run, and the runs (step and stage anchors) at those budgets (each must be
-    present: ``check_train_budgets``)."""
-    check_train_budgets(anchors, train_budgets)
-    budget_of = {a.name: a.point.budget for a in anchors if isinstance(a, StepAnchor)}
-    return [
-        a for a in anchors if _run_of(a) is None or budget_of.get(_run_of(a), -1) in train_budgets
-    ]
+def training_anchors(
+    anchors: Sequence[Anchor], values: Sequence[int], field: str = "budget"
+) -> list[Anchor]:
+    """The anchors a calibration on runs at ``values`` of ``field`` (budget, concurrency)
+    sees: every anchor that is not part of an engine run, and the runs (step and stage
+    anchors) at those values (each must be present: ``check_train_values``)."""
+    check_train_values(anchors, values, field)
+    value_of = {a.name: getattr(a.point, field) for a in anchors if isinstance(a, StepAnchor)}
+    return [a for a in anchors if _run_of(a) is None or value_of.get(_run_of(a), -1) in values]
 
 
 def backtest(
@@ -395,31 +402,34 @@ def backtest(
     specs: dict[str, ParamSpec],
     fixed: dict[str, float] | None = None,
     train_budgets: Sequence[int] | None = None,
+    train_concurrency: Sequence[int] | None = None,
 ) -> Backtest:
     """Predict each step anchor from a calibration that did not see it.
 
-    Leave-one-out by default; with ``train_budgets``, calibrate once on step anchors at those
-    budgets (plus every non-step anchor) and predict the rest.
-    """
+    Leave-one-out by default; with ``train_budgets`` (or ``train_concurrency``), calibrate once
+    on the step anchors at those budgets (request counts C), plus every non-step anchor, and
+    predict the rest: how the model extrapolates in budget (in C)."""
     steps = [a for a in anchors if isinstance(a, StepAnchor)]
     rows = []
 
     def row(a: StepAnchor, cal: Calibration) -> BacktestRow:
         return BacktestRow(a.name, a.tokens_per_s, float(anchor_tokens_per_s(a, cal.values)))
 
-    if train_budgets:
+    field = "budget" if train_budgets else "concurrency"
+    values = train_budgets or train_concurrency
+    if values:
         # every argument check before the calibration (minutes over many records)
-        training = training_anchors(anchors, train_budgets)
-        held_out = [a for a in steps if a.point.budget not in train_budgets]
+        training = training_anchors(anchors, values, field)
+        held_out = [a for a in steps if getattr(a.point, field) not in values]
         if steps and not held_out:
-            present = sorted({a.point.budget for a in steps})
+            present = sorted({getattr(a.point, field) for a in steps})
             raise ValueError(
-                f"--train-budgets: calibrating on every measured budget "
+                f"{TRAIN_FLAGS[field]}: calibrating on every measured {field} "
                 f"({', '.join(map(str, present))}) leaves no run to predict; leave some out"
             )
         cal = calibrate(training, specs, fixed)
         rows = [row(a, cal) for a in held_out]
-        mode = f"calibrated on budgets {', '.join(map(str, train_budgets))}, predicting the rest"
+        mode = f"calibrated on {field} {', '.join(map(str, values))}, predicting the rest"
     else:
         for a in steps:
             cal = calibrate([b for b in anchors if _run_of(b) != a.name], specs, fixed)

@@ -93,5 +93,9 @@ def records_warning(sf: ScenarioFile) -> str | None:
     )
 
 
-def run_backtest(sf: ScenarioFile, train_budgets: list[int] | None = None) -> Backtest:
-    return backtest(sf.anchors, sf.specs, sf.fixed, train_budgets)
+def run_backtest(
+    sf: ScenarioFile,
+    train_budgets: list[int] | None = None,
+    train_concurrency: list[int] | None = None,
+) -> Backtest:
+    return backtest(sf.anchors, sf.specs, sf.fixed, train_budgets, train_concurrency)
