@@ -83,27 +83,29 @@ class ShapeRow:
     step_bytes: float
     bytes_parts: dict = field(default_factory=dict)  # target/drafter weights and KV
     roofline_fraction: float = 0.0
-    vs_ar: float = 0.0  # tokens/s over AR's in the same engine mode
+    vs_ar: float = 0.0  # tokens/s over AR's in the same engine mode and at the same C
+    concurrency: int = 1  # requests decoded together (C): tokens/s is all rows'
 
 
 def step_bytes(
-    config: DecodeConfig, target, drafter, context: float, top_k: int
+    config: DecodeConfig, target, drafter, context: float, top_k: int, rows: int = 1
 ) -> tuple[float, dict]:
     """(step bytes, their parts) of a config at mean context ``context`` (module docstring).
     ``drafter``: the oracle; its ``base`` (the DFlash drafter whose forward it runs) is what
-    reads memory."""
+    reads memory. ``rows`` requests decoded together (``--concurrency``): the weights once
+    for all their tokens (``rows x M`` rows touch the experts), every row's KV."""
     width = config.tree_budget + 1
     cache = target.cache
     parts = {
-        "target_weights": weight_bytes(target.model, width, top_k),
-        "target_kv": kv_bytes(cache.tensors(), cache.capacity_dim, context),
+        "target_weights": weight_bytes(target.model, width * rows, top_k),
+        "target_kv": rows * kv_bytes(cache.tensors(), cache.capacity_dim, context),
     }
     base = getattr(drafter, "base", None)
     if config.rules.needs_drafter and base is not None:
         own = sum(p.numel() * p.element_size() for _, p in weight_tensors(base.model))
         head = sum(p.numel() * p.element_size() for _, p in weight_tensors(base.draft_head))
         parts["drafter_weights"] = float(own + head)
-        parts["drafter_kv"] = kv_bytes((base._k, base._v), 1, context)
+        parts["drafter_kv"] = rows * kv_bytes((base._k, base._v), 1, context)
     return sum(parts.values()), parts
 
 
@@ -116,3 +118,25 @@ def oracle_feeder(oracle, prompts: list[list[int]]) -> Callable:
             oracle.expect(list(prompts[i]) + result.tokens)
 
     return on_result
+
+
+@dataclass
+class OracleRows:
+    """The batched sweep's oracles (``sweep_batched``): ``on_result`` keeps each prompt's AR
+    continuation; ``drafter_for`` gives a request a fork of the oracle that follows its own
+    prompt's (a batch decodes several prompts at once, each needs its own reference)."""
+
+    oracle: object  # OracleDrafter
+    prompts: list[list[int]]
+    references: dict[int, list[int]] = field(default_factory=dict)
+
+    def on_result(self, config: DecodeConfig, i: int, result: GenerationResult) -> None:
+        if not config.rules.needs_drafter:
+            self.references[i] = list(self.prompts[i]) + result.tokens
+
+    def drafter_for(self, config: DecodeConfig, i: int):
+        if not config.rules.needs_drafter:
+            return None
+        twin = self.oracle.fork()
+        twin.expect(self.references.get(i, []))
+        return twin

@@ -19,6 +19,7 @@ from ddtree.commands._args import (
     add_threads_argument,
     device,
     int_list,
+    int_list_upto,
     positive_int,
     records_file,
     set_threads,
@@ -70,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "target has no corpus, so the K are its EOS and smallest ids, and the oracle's proposals "
         "stay synthetic over the full vocabulary) (default: the full vocabulary)",
     )
+    p.add_argument(
+        "--concurrency",
+        type=int_list_upto(256),
+        help="comma-separated request counts C decoded together (ddtree.engine.batch; each "
+        "request its own oracle); tokens/s is then all rows' (default: one at a time)",
+    )
     p.add_argument("--prompts", type=positive_int, default=2, help="random prompts (default 2)")
     p.add_argument("--context", type=positive_int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="(default 64)")
@@ -92,10 +99,10 @@ def _modes(text: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ddtree.bench.shapes import oracle_feeder
+    from ddtree.bench.shapes import OracleRows, oracle_feeder
     from ddtree.commands._output import console, note, progress
     from ddtree.engine import DecodeConfig
-    from ddtree.engine.sweep import sweep_rounds
+    from ddtree.engine.sweep import sweep_batched, sweep_rounds
     from ddtree.models.oracle import OracleDrafter, parse_oracle_spec
     from ddtree.models.presets import (
         Preset,
@@ -115,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     block = int(preset.drafter["block_size"])
     max_len = args.context + args.max_new_tokens + block
     widths = [1, block, *(n + 1 for n in args.budgets)]
-    plan = memory_plan(preset, dtype, max_len + 64 + max(widths), max(widths))
+    rows = max(args.concurrency or [1])  # a forward carries every row's tree
+    plan = memory_plan(preset, dtype, rows * (max_len + max(widths)) + 64, rows * max(widths))
     check_fits(plan, device, f"preset {preset.name} in {args.dtype}")  # before allocating
     note(f"preset {preset.name} ({args.dtype}, {device}, {threads_label(args)}): {plan.describe()}")
     bandwidth = _bandwidth(args, device)
@@ -149,10 +157,12 @@ def run(args: argparse.Namespace) -> int:
         for policy, budget in (("ar", 1), ("chain", block - 1))
         + tuple(("ddtree", n) for n in args.budgets)
     ]
-    feed = oracle_feeder(oracle, prompts)
+    batched = OracleRows(oracle, prompts)
+    feed = batched.on_result if args.concurrency else oracle_feeder(oracle, prompts)
     points = []  # over the prompts every config has finished so far
+    levels = args.concurrency or [1]
     try:
-        with progress("decoding", total=len(configs) * len(prompts)) as bar:
+        with progress("decoding", total=len(configs) * len(prompts) * len(levels)) as bar:
 
             def on_result(config, i, result):
                 feed(config, i, result)
@@ -166,9 +176,16 @@ def run(args: argparse.Namespace) -> int:
                         f"warm-up of {config.policy} N={config.budget}: compiling its widths"
                     )
 
-            for finished in sweep_rounds(
-                target, oracle, prompts, configs, on_result=on_result, on_warmup=on_warmup
-            ):
+            if args.concurrency:  # each (C, config) over every prompt, a request per row
+                rounds = sweep_batched(
+                    target, oracle, prompts, configs, args.concurrency, on_result=on_result,
+                    on_warmup=on_warmup, drafter_for=batched.drafter_for,
+                )  # fmt: skip
+            else:
+                rounds = sweep_rounds(
+                    target, oracle, prompts, configs, on_result=on_result, on_warmup=on_warmup
+                )
+            for finished in rounds:
                 points = finished
     except KeyboardInterrupt:
         if points and args.records:
@@ -261,13 +278,14 @@ def _rows(points, target, oracle, prompts, preset, bandwidth_bytes_per_s: float)
 
     top_k = int(preset.target.get("num_experts_per_tok") or 0)
     lens = [len(p) for p in prompts]
-    ar_tps = {p.config.engine_mode: p.summary["tokens_per_s"] for p in points
+    ar_tps = {(p.config.engine_mode, p.concurrency): p.summary["tokens_per_s"] for p in points
               if not p.config.rules.needs_drafter}  # fmt: skip
     rows = []
     for p in points:
         c = p.config
         policy = c.rules
-        total, parts = step_bytes(c, target, oracle, mean_context(p.results, lens), top_k)
+        context = mean_context(p.results, lens)
+        total, parts = step_bytes(c, target, oracle, context, top_k, p.concurrency)
         budget = policy.budget(c.block_size, c.budget)
         rows.append(
             ShapeRow(
@@ -280,7 +298,8 @@ def _rows(points, target, oracle, prompts, preset, bandwidth_bytes_per_s: float)
                 step_bytes=total,
                 bytes_parts=parts,
                 roofline_fraction=total / bandwidth_bytes_per_s / p.summary["step_s_mean"],
-                vs_ar=p.summary["tokens_per_s"] / ar_tps[c.engine_mode],
+                vs_ar=p.summary["tokens_per_s"] / ar_tps[(c.engine_mode, p.concurrency)],
+                concurrency=p.concurrency,
             )
         )
     return rows
@@ -299,11 +318,17 @@ class ShapesReport:
     rows: list
     draft_vocab: int = 0  # rows of the drafter's LM head (--draft-vocab; 0: the full vocabulary)
 
-    def _row(self, mode: str, policy: str, budget: int | None = None):
+    def _row(self, mode: str, policy: str, budget: int | None = None, concurrency: int = 1):
         for r in self.rows:
-            if (r.mode, r.policy) == (mode, policy) and (budget is None or r.budget == budget):
+            if (r.mode, r.policy, r.concurrency) == (mode, policy, concurrency) and (
+                budget is None or r.budget == budget
+            ):
                 return r
         return None
+
+    @property
+    def batched(self) -> bool:
+        return any(r.concurrency > 1 for r in self.rows)
 
     def table(self):
         from rich.table import Table
@@ -316,15 +341,19 @@ class ShapesReport:
             f"GB/step / {self.bandwidth_bytes_per_s / 1e9:.1f} GB/s ({self.bandwidth_source}) "
             f"/ step time. T(M)/T1: verify over the AR step's verify, same mode",
         )
-        for col in ("mode", "policy", "N", "M", "tau", "tok/s", "vs AR", "same as AR",
-                    "step ms", "draft ms", "verify ms", "T(M)/T1", "GB/step", "roofline"):  # fmt: skip
+        columns = ["mode", "policy", "N", "M", "tau", "tok/s", "vs AR", "same as AR",
+                   "step ms", "draft ms", "verify ms", "T(M)/T1", "GB/step", "roofline"]  # fmt: skip
+        if self.batched:  # tok/s: all C rows'; vs AR and T(M)/T1 against AR at the same C
+            columns[1:1] = ["C"]
+        for col in columns:
             table.add_column(col, justify="left" if col in ("mode", "policy") else "right")
         for r in self.rows:
             s = r.summary
-            ar = self._row(r.mode, "ar")
+            ar = self._row(r.mode, "ar", concurrency=r.concurrency)
             verify = s["stage_s_mean"]["verify"]
             table.add_row(
                 r.mode,
+                *([str(r.concurrency)] if self.batched else []),
                 r.policy,
                 str(r.budget),
                 str(r.width),
@@ -348,11 +377,16 @@ class ShapesReport:
     def conclusions(self) -> list[str]:
         """What the table says about the regime, in a few measured sentences per mode."""
         lines = []
-        for mode in dict.fromkeys(r.mode for r in self.rows):
-            ar, chain = self._row(mode, "ar"), self._row(mode, "chain")
-            best = max((r for r in self.rows if r.mode == mode), key=lambda r: r.vs_ar)
+        for mode, c in dict.fromkeys((r.mode, r.concurrency) for r in self.rows):
+            ar, chain = (
+                self._row(mode, "ar", concurrency=c),
+                self._row(mode, "chain", concurrency=c),
+            )
+            here = [r for r in self.rows if (r.mode, r.concurrency) == (mode, c)]
+            best = max(here, key=lambda r: r.vs_ar)
+            at = f" at C={c}" if self.batched else ""
             lines.append(
-                f"{mode}: AR reads {ar.step_bytes / 1e9:.2f} GB a step at "
+                f"{mode}{at}: AR reads {ar.step_bytes / 1e9:.2f} GB a step at "
                 f"{ar.roofline_fraction:.0%} of the memory roofline; best {best.policy}"
                 f"{'' if best.policy == 'ar' else f' N={best.budget}'}: {best.vs_ar:.2f}x AR "
                 f"tokens/s (tau {best.summary['mean_tau']:.2f}, step "
@@ -392,6 +426,7 @@ class ShapesReport:
             "rows": [
                 {
                     "mode": r.mode,
+                    "concurrency": r.concurrency,
                     "policy": r.policy,
                     "budget": r.budget,
                     "width": r.width,
@@ -443,6 +478,8 @@ class ShapesReport:
                 [len(x) for x in prompts],
                 config,
                 compile_s=p.summary["compile_s"],
+                concurrency=p.concurrency,
+                summary=p.summary,
             )
             # the shape that ran (untied, as random targets are), for the estimator to cost
             record.target["config_json"] = {**self.preset.target, "tie_word_embeddings": False}

@@ -93,11 +93,15 @@ def sweep_batched(
     tokenizer=None,
     on_result: Callable[[DecodeConfig, int, GenerationResult], None] | None = None,
     on_warmup: Callable[[DecodeConfig], None] | None = None,
+    drafter_for: Callable[[DecodeConfig, int], Drafter | None] | None = None,
 ) -> Iterator[list[SweepPoint]]:
     """Every config at every concurrency C (``ddtree.engine.batch``: C requests decoded
     together, the next prompt joining as one finishes); after each (C, config), yield the
     points so far. A point's figures are its steady state (:func:`steady_state`): tokens/s
-    over all C rows, a batched step's mean and stages, tau per row. An untimed warm-up per (C, config) first (compiles, in compiled mode)."""
+    over all C rows, a batched step's mean and stages, tau per row. An untimed warm-up per
+    (C, config) first (compiles, in compiled mode). ``drafter_for(config, i)``: prompt i's
+    own drafter state (a synthetic oracle that must follow its prompt), or None for a fork of
+    the engine's drafter."""
     from ddtree.engine.batch import BatchEngine, BatchRequest, row_slots
 
     if not prompts:
@@ -120,7 +124,11 @@ def sweep_batched(
                 r.compile_s for r in engine.run([BatchRequest(prompts[0], warm)] * min(c, 2))
             )
             steps = []
-            results = engine.run([BatchRequest(p, config) for p in prompts], steps.append)
+            own = drafter_for or (lambda config, i: None)  # a request's own drafter state
+            requests = [
+                BatchRequest(p, config, drafter=own(config, i)) for i, p in enumerate(prompts)
+            ]
+            results = engine.run(requests, steps.append)
             if on_result is not None:
                 for i, result in enumerate(results):
                     on_result(config, i, result)

@@ -160,6 +160,39 @@ class OracleDrafter:
         self.seen = 0
         return self.base.set_engine_mode(plan) if self.base is not None else 0.0
 
+    def fork(self) -> OracleDrafter:
+        """An oracle for another request decoded beside this one (``ddtree.engine.batch``):
+        the same spec, a fork of the base drafter (its cost), a reference of its own."""
+        base = self.base.fork() if self.base is not None else None
+        twin = OracleDrafter(
+            self.spec, base, block_size=self.block_size, vocab_size=self.vocab_size,
+            target_layer_ids=self.target_layer_ids,
+        )  # fmt: skip
+        twin.info = self.info
+        return twin
+
+    def batches_with(self, other) -> bool:
+        """Whether ``other`` proposes in one forward with this oracle (:meth:`propose_many`):
+        an oracle whose base batches with this one's (or neither has a base)."""
+        if not isinstance(other, OracleDrafter) or (self.base is None) != (other.base is None):
+            return False
+        return self.base is None or self.base.batches_with(other.base)
+
+    @staticmethod
+    def propose_many(
+        oracles: list[OracleDrafter], contexts: list[torch.Tensor], roots: list[int]
+    ) -> list[torch.Tensor]:
+        """Each oracle's ``propose``, their base drafters' forwards in one
+        (``DFlashDrafter.propose_many``: the cost a batch of real drafters pays)."""
+        bases = [o.base for o in oracles]
+        if bases[0] is not None:
+            type(bases[0]).propose_many(bases, contexts, roots)  # the cost; logits discarded
+        out = []
+        for o, ctx, root in zip(oracles, contexts, roots, strict=True):
+            o.seen += int(ctx.shape[0])
+            out.append(o.logits_at(o.seen, int(root)))
+        return out
+
     def propose(self, context_hidden: torch.Tensor, root_token: int) -> torch.Tensor:
         """[B-1, V] logits for the positions after the root (at position ``seen``)."""
         if self.base is not None:
