@@ -136,3 +136,60 @@ def test_a_roofline_past_100_percent_warns_that_the_bandwidth_is_too_low():
     assert "1 of 2 rows" in line and "165% of 7.1 GB/s" in line and "measured now" in line
     report.rows = [row(0.74)]
     assert report.warnings() == []
+
+
+def test_rows_read_the_weights_once_and_their_own_kv(pair):
+    """At C rows a step reads the weights once for all C x M tokens and every row's KV."""
+    _, target, oracle = pair
+    config = DecodeConfig("ddtree", budget=8)
+    one, p1 = step_bytes(config, target, oracle, 50, 0)
+    four, p4 = step_bytes(config, target, oracle, 50, 0, rows=4)
+    assert p4["target_kv"] == pytest.approx(4 * p1["target_kv"])
+    assert p4["drafter_kv"] == pytest.approx(4 * p1["drafter_kv"])
+    assert p4["drafter_weights"] == p1["drafter_weights"]
+    # the untied embedding: 4 x 9 rows instead of 9; every other matrix once
+    row = target.model.model.embed_tokens.weight[0].numel() * 4
+    assert p4["target_weights"] - p1["target_weights"] == pytest.approx(3 * 9 * row)
+    assert four < 4 * one
+
+
+def test_oracle_forks_follow_their_own_reference_and_draft_together(pair):
+    """A batch's oracles: each fork proposes as a lone oracle told the same reference, and
+    their base drafters run in one forward."""
+    from ddtree.models.static import EnginePlan
+
+    _, target, oracle = pair
+    refs = [list(range(3, 40)), list(range(10, 60))]
+    forks = [oracle.fork(), oracle.fork()]
+    alone = [oracle.fork(), oracle.fork()]
+    for o, ref in zip(forks + alone, refs + refs, strict=True):
+        o.set_engine_mode(EnginePlan())
+        o.expect(ref)
+    features = oracle.base.config.context_features
+    contexts = [torch.zeros(5, features), torch.zeros(8, features)]
+    roots = [refs[0][5], refs[1][8]]
+    together = type(oracle).propose_many(forks, contexts, roots)
+    for o, ctx, root, got in zip(alone, contexts, roots, together, strict=True):
+        torch.testing.assert_close(got, o.propose(ctx, root))
+    assert forks[0].batches_with(forks[1]) and [f.base.seen for f in forks] == [5, 8]
+    assert forks[0].base.model is oracle.base.model  # weights shared, caches not
+    assert forks[0].base._k.data_ptr() != forks[1].base._k.data_ptr()
+
+
+@pytest.mark.slow
+def test_bench_shapes_concurrency_records_each_c(tmp_path, capsys):
+    records = tmp_path / "c.jsonl"
+    argv = ["bench", "shapes", "--preset", "tiny-qwen3", "--dtype", "float32", "--budgets", "8"]
+    argv += ["--prompts", "3", "--context", "16", "--max-new-tokens", "12", "--engine-modes"]
+    argv += ["eager", "--concurrency", "1,3", "--records", str(records), "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["concurrency"], r["policy"]) for r in rows] == [
+        (c, p) for c in (1, 3) for p in ("ar", "chain", "ddtree")
+    ]
+    assert all(r["identical_to_ar"] for r in rows)
+    # each request follows its own prompt: the oracle's tau is the same one at a time or not
+    tau = {(r["concurrency"], r["policy"]): r["mean_tau"] for r in rows}
+    assert tau[(3, "ddtree")] == pytest.approx(tau[(1, "ddtree")], rel=0.15)
+    runs = [r for r in read_records(records) if r.kind == "engine_run"]
+    assert [r.concurrency for r in runs] == [1, 1, 1, 3, 3, 3]
