@@ -298,7 +298,7 @@ class BatchEngine:
         return ids
 
     def _propose(self, rows: list[_Row], clock: StageClock) -> None:
-        """Every row's tree. The rows whose drafters are forks of one (eager) draft in one
+        """Every row's tree. The rows whose drafters are forks of one draft in one
         forward (``DFlashDrafter.propose_many``), then each builds its tree; the others
         propose alone. Stamps draft, topk, build."""
         drafting = [

@@ -621,12 +621,15 @@ class DFlashDrafter:
 
     def batches_with(self, other) -> bool:
         """Whether ``other`` can propose in one forward with this drafter (:meth:`propose_many`):
-        a drafter of the same modules and draft vocabulary (a :meth:`fork`), running eagerly."""
+        a drafter of the same modules and draft vocabulary (a :meth:`fork`) in the same engine
+        mode. The joint forward runs eagerly in either mode (its widths vary with the rows;
+        reading the weights once for every row is what it is for); each drafter's cache stays
+        what its own compiled proposes read."""
         return (
             isinstance(other, DFlashDrafter)
             and other.model is self.model
             and other.draft_head is self.draft_head
-            and self.engine.mode == other.engine.mode == "eager"
+            and self.engine.mode == other.engine.mode
         )
 
     @staticmethod

@@ -104,6 +104,9 @@ def forward_rows(
     """The packed forward of both engine modes (:class:`PackedInputs`' fields): (logits
     [W, V], hidden [W, F] or None)."""
     attn = AttentionInputs.packed(row_lo, row_new, node, visibility, keys, caches[0].dtype)
+    if layers is not None:  # compile scope "layer": the layer graphs see the key count T
+        torch._dynamo.maybe_mark_dynamic(attn.tail_slots, 0)  # through these, made here
+        torch._dynamo.maybe_mark_dynamic(attn.tail_mask, 1)  # eagerly: keep it symbolic
     out = model(tokens, positions, attn, caches, capture_layers, layers)
     return out.logits, out.hidden
 
