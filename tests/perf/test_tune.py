@@ -235,3 +235,22 @@ def test_tune_warns_when_the_trace_and_the_runs_differ(tmp_path, capsys):
     # a trace of another pair of models
     (line,) = warned(prompt_lengths=[53, 63, 66, 73], max_new_tokens=64, target={"name": "big"})
     assert "differ in target target (6 engine_run) vs big (6 acceptance):" in line
+
+
+def test_tune_concurrency_prints_the_best_budget_at_each_c(tmp_path, acc_file, capsys):
+    """--concurrency: a curve per C on each hardware and the N*(C) table. On a B300 the
+    best tree at C = 64 is no larger than at C = 1 (the verify of 64 trees turns
+    compute-bound), and each curve's tokens/s counts all C requests."""
+    argv = ["tune", str(scenario(tmp_path, "tau = 3.0")), "--acceptance", str(acc_file)]
+    argv += ["--hardware", "b300", "--samples", "200", "--concurrency", "1,64"]
+    assert main([*argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out[out.index("{") :])
+    curves = {c["concurrency"]: c for c in doc["curves"] if c["policy"] == "ddtree"}
+    assert set(curves) == {1, 64}
+    assert curves[64]["best_budget"] <= curves[1]["best_budget"]
+    by_n = {c: {p["budget"]: p["tokens_per_s"]["p50"] for p in curves[c]["points"]} for c in curves}
+    assert by_n[64][2] > 8 * by_n[1][2]  # 64 requests at once: far more tokens/s in all
+    assert main(argv) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "best budget N*(C)" in text and "C=64" in text

@@ -8,7 +8,14 @@ import json
 import sys
 from pathlib import Path
 
-from ddtree.commands._args import add_json_argument, int_list, output_folder, positive_int, seed
+from ddtree.commands._args import (
+    add_json_argument,
+    int_list,
+    int_list_upto,
+    output_folder,
+    positive_int,
+    seed,
+)
 from ddtree.commands.estimate import add_oversubscribe_argument
 
 
@@ -39,6 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int_list,
         help="calibrate only on engine runs at these budgets, and check the prediction at the "
         "other measured budgets on this-machine (held-out check)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int_list_upto(4096),
+        help="comma-separated request counts C: a curve per C and the table of the best "
+        "budget N*(C) (the best tree shrinks as the verify turns compute-bound) (default: the "
+        "scenario's C)",
     )
     p.add_argument(
         "--samples", type=positive_int, default=4000, help="Monte Carlo samples per point"
@@ -72,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     train = args.train_budgets or []
     anchors = training_anchors(sf.anchors, train) if train else sf.anchors
     cal = calibrate(anchors, sf.specs, sf.fixed)
-    curves = tune(sf, cal, hardware, measured, args.samples, args.seed)
+    curves = tune(sf, cal, hardware, measured, args.samples, args.seed, args.concurrency or ())
     for note in sf.notes:  # the file's, and the physics warnings of the points swept
         print(f"note: {note}", file=sys.stderr)
     warnings = [w for w in (records_warning(sf, measured),) if w]
@@ -123,8 +137,10 @@ def tune_text(curves, check, measured):
         f"tau: {measured.label}",
         "tokens/s = C x tau / step [derived]; step from the calibrated cost model [derived]",
     ]
+    swept = len({c.concurrency for c in curves}) > 1
     for c in curves:
-        table = Table(title=f"{c.hardware}: {c.policy}, block {c.block_size}")
+        at = f", C={c.concurrency}" if swept else ""
+        table = Table(title=f"{c.hardware}: {c.policy}, block {c.block_size}{at}")
         for col in ("N", "tau", "tok/s p10 / p50 / p90", "step ms p50", ""):
             table.add_column(col, justify="right")
         for p in c.points:
@@ -138,13 +154,37 @@ def tune_text(curves, check, measured):
             )
         out.append(table)
         out.append(
-            f"{c.hardware} {c.policy}: best N = {c.best.budget} "
+            f"{c.hardware} {c.policy}{at}: best N = {c.best.budget} "
             f"({c.best.tokens_per_s[50]:.4g} tok/s p50); flat region (within 5%): "
             f"N in {c.flat}; why: {c.why}"
         )
+    if swept:
+        out.append(best_budget_table(curves))
     if check is not None:
         out.extend(held_out_text(check))
     return out
+
+
+def best_budget_table(curves):
+    """N*(C): the best budget of each hardware and policy at each request count."""
+    from rich.table import Table
+
+    levels = sorted({c.concurrency for c in curves})
+    table = Table(
+        title="best budget N*(C) (p50 tok/s); it shrinks as the verify turns compute-bound"
+    )
+    for col in ("hardware", "policy", *(f"C={c}" for c in levels)):
+        table.add_column(col, justify="left" if col in ("hardware", "policy") else "right")
+    rows: dict[tuple, dict[int, object]] = {}
+    for c in curves:
+        rows.setdefault((c.hardware, str(c.policy), c.block_size), {})[c.concurrency] = c
+    for (hardware, policy, _), by_c in rows.items():
+        cells = [
+            f"{by_c[c].best.budget} ({by_c[c].best.tokens_per_s[50]:.4g})" if c in by_c else "-"
+            for c in levels
+        ]
+        table.add_row(hardware, policy, *cells)
+    return table
 
 
 def held_out_text(check):
@@ -200,6 +240,7 @@ def to_json(curves, check, trace: str) -> dict:
                 "hardware": c.hardware,
                 "policy": str(c.policy),
                 "block_size": c.block_size,
+                "concurrency": c.concurrency,
                 "best_budget": c.best.budget,
                 "flat_budgets": c.flat,
                 "why": c.why,

@@ -19,6 +19,7 @@ predict every other measured budget, and compare with the measured engine runs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ class TuneCurve:
     best: TunePoint
     flat: list[int]  # budgets whose p50 is within FLAT_WITHIN of the best's
     why: str
+    concurrency: int = 1  # requests decoded together (C); tokens/s is all of theirs
 
 
 @dataclass
@@ -101,12 +103,15 @@ def tune_curve(
     measured: Sequence[MeasuredTau],
     samples: int = 4000,
     seed: int = 0,
+    concurrency: int | None = None,
 ) -> TuneCurve:
     """tokens/s against the budget on ``hardware`` for one policy and block size (the
-    ``measured`` taus, one per budget)."""
+    ``measured`` taus, one per budget), at the scenario's C or at ``concurrency``."""
     points = []
     for i, m in enumerate(sorted(measured, key=lambda m: m.budget)):
         point = sf.point_at(hardware, m.policy, m.block_size, m.budget)
+        if concurrency is not None:
+            point = dataclasses.replace(point, concurrency=concurrency)
         case = ScenarioCase(f"{hardware} {m.policy} N={m.budget}", point, m.value, None, {})
         r = run_case(sf.model, case, cal, samples, seed + i)
         points.append(
@@ -127,8 +132,9 @@ def tune_curve(
         p.budget for p in points if p.tokens_per_s[50] >= (1 - FLAT_WITHIN) * best.tokens_per_s[50]
     ]
     first = points[0]
+    c = point.concurrency
     return TuneCurve(
-        hardware, first.policy, first.block_size, points, best, flat, _why(points, best)
+        hardware, first.policy, first.block_size, points, best, flat, _why(points, best), c
     )
 
 
@@ -165,8 +171,10 @@ def tune(
     measured: Sequence[MeasuredTau],
     samples: int = 4000,
     seed: int = 0,
+    concurrency: Sequence[int] = (),
 ) -> list[TuneCurve]:
-    """One curve per hardware and (policy, block size) the acceptance records hold."""
+    """One curve per hardware and (policy, block size) the acceptance records hold, and per
+    request count C in ``concurrency`` (default: the scenario's): the best budget N*(C)."""
     unknown = [h for h in hardware if h not in sf.hardware]
     if unknown:
         hint = (
@@ -181,9 +189,10 @@ def tune(
     for m in measured:
         groups.setdefault((m.policy, m.block_size), {})[m.budget] = m  # the last one wins
     return [
-        tune_curve(sf, cal, h, list(by_budget.values()), samples, seed)
+        tune_curve(sf, cal, h, list(by_budget.values()), samples, seed, c)
         for h in hardware
         for by_budget in groups.values()
+        for c in (concurrency or [None])
     ]
 
 
