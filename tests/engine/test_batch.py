@@ -325,3 +325,13 @@ def test_the_steady_state_keeps_the_steps_with_every_row_decoding():
     assert got["mean_tau"] == 20 / 8 and got["rows_mean"] == 4 and got["steps"] == 2
     assert got["stage_s_mean"] == {"verify": 1.0}
     assert steady_state(steps, 8)["rows_mean"] == 11 / 3  # never 8 rows: every decode step
+
+
+def test_a_batch_whose_cache_does_not_fit_is_refused_naming_its_size(target, monkeypatch):
+    import ddtree.models.presets as presets
+
+    monkeypatch.setattr(presets, "available_bytes", lambda device: 10_000)
+    with pytest.raises(MemoryError, match=r"a batch of 8 rows x 96 cache slots needs 0\.\d+ GB"):
+        BatchEngine(target, None, max_rows=8, row_capacity=96)
+    monkeypatch.setattr(presets, "available_bytes", lambda device: 10**12)
+    assert BatchEngine(target, None, max_rows=8, row_capacity=96).idle

@@ -171,6 +171,27 @@ def pack(
     return out
 
 
+def check_rows_fit(target: CachedTarget, max_rows: int, row_capacity: int) -> None:
+    """Refuse, before allocating, a batch whose cache does not fit the memory left on the
+    target's device, naming its size: ``max_rows x row_capacity`` slots at the bytes one slot
+    takes in every layer (the target's own cache tensors tell)."""
+    from ddtree.models.presets import available_bytes
+
+    cache = target.cache
+    slot_bytes = sum(
+        t.numel() // t.shape[cache.capacity_dim] * t.element_size() for t in cache.tensors()
+    )
+    need = slot_bytes * max_rows * row_capacity
+    have = available_bytes(target.device)
+    if need > have:
+        raise MemoryError(
+            f"a batch of {max_rows} rows x {row_capacity} cache slots needs "
+            f"{need / 1e9:.2f} GB of KV cache ({slot_bytes} bytes a slot); {target.device} has "
+            f"{have / 1e9:.2f} GB available: lower --max-batch (rows) or the tokens a request "
+            "may hold"
+        )
+
+
 class RowsTarget:
     """Up to ``max_rows`` requests over the model of a :class:`CachedTarget` (see the module
     docstring). The target's own cache is left alone: the rows have a cache of their own,
@@ -200,6 +221,7 @@ class RowsTarget:
         self._compiled: CompiledForward | None = None
         self._static: dict[int, PackedInputs] = {}  # width bucket -> its preallocated inputs
         self._warm: set[tuple[int, tuple[int, ...]]] = set()  # (width, capture) compiled
+        check_rows_fit(target, max_rows, row_capacity)
         self.cache = target.new_cache(self.spare)
 
     @torch.inference_mode()
