@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tests.tree.reference import build_tree_ref, visibility_ref
 
 from ddtree.tree import build_tree, build_trees, load_backend
-from ddtree.tree.build import _candidate_pairs, _pair_count
+from ddtree.tree.batched import _candidate_pairs, _pair_count
 from ddtree.tree.types import BackendUnavailable
 
 

@@ -17,7 +17,8 @@ from ddtree.tree.backends import (
     build_tree,
     load_backend,
 )
-from ddtree.tree.build import DraftTreeBatch, build_tree_python, build_trees
+from ddtree.tree.batched import DraftTreeBatch, build_trees
+from ddtree.tree.build import build_tree_python
 from ddtree.tree.layout import (
     CompactionPlan,
     LayoutBuffer,

@@ -62,7 +62,7 @@ def build_tree(
 ) -> DraftTree:
     """``ddtree.tree.build_tree`` in C++ (same nodes, order and float64 scores)."""
     check_topk(topk_logprobs, topk_tokens, budget, values=False)
-    assert topk_logprobs.dim() == 2, "build_tree takes one request [L, K]; see build_trees"
+    assert topk_logprobs.dim() == 2, "build_tree takes one request [L, K]; see ddtree.tree.batched"
     lp = _host(topk_logprobs, (torch.float64, torch.float32))
     tok = _host(topk_tokens, (torch.int64,))
     n_depth, k = lp.shape
