@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ddtree.engine import DecodeConfig, generate
 from ddtree.engine.batch import BatchEngine, BatchRequest
 from ddtree.engine.stop import StopCondition
-from ddtree.models.rows import Segment, pack
+from ddtree.models.adapters.rows import Segment, pack
 from ddtree.models.static import (
     EngineModeError,
     EnginePlan,
@@ -161,7 +161,8 @@ def test_rows_join_as_others_leave_first_come_first_served(target, drafter, pool
 
 def _naive_twin(target):
     """The same MLA+MoE weights with the naive (materialised keys) attention."""
-    from ddtree.models.mla_moe import MlaMoeModel, MlaMoeTarget
+    from ddtree.models.adapters.mla_moe import MlaMoeTarget
+    from ddtree.models.nn.mla_moe import MlaMoeModel
 
     model = MlaMoeModel(target.model.config, attn_impl="naive")
     model.load_state_dict(target.model.state_dict())

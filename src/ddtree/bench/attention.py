@@ -6,7 +6,7 @@ replaced, side by side: time and peak memory over context length S and budget N.
   SDPA over the whole cache (grouped-query heads by ``enable_gqa``);
 - ``dense-math``: what our own targets' eager verify did before this module: the same mask
   added to materialised float32 scores ``[nh, M, S + M]``, softmax, then the values;
-- ``split``: ``ddtree.models.attention``: the tail's ``[M, M]`` mask built from the tree's
+- ``split``: ``ddtree.models.nn.attention``: the tail's ``[M, M]`` mask built from the tree's
   visibility, a maskless flash attention over the prefix, a masked one over the tail, merged by
   log-sum-exp.
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.bench.timing import time_call
-from ddtree.models.attention import AttentionInputs, grouped_attention
+from ddtree.models.nn.attention import AttentionInputs, grouped_attention
 from ddtree.tree.layout import verify_layout
 from ddtree.tree.types import DraftTree
 

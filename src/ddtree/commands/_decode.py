@@ -216,10 +216,10 @@ def decode_config(args: argparse.Namespace, policy: str, budget: int | None = No
 
 class TextCodec:
     """Text <-> token ids with the target's tokenizer (``tokenizer.json``, checked by
-    ``ddtree.models.tokenizer.load_tokenizer``: no more ids than ``vocab_size``)."""
+    ``ddtree.models.loading.tokenizer.load_tokenizer``: no more ids than ``vocab_size``)."""
 
     def __init__(self, path: Path, vocab_size: int | None = None) -> None:
-        from ddtree.models.tokenizer import load_tokenizer
+        from ddtree.models.loading.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(path, vocab_size)
 
@@ -275,8 +275,8 @@ def load_models(
         check_engine_support(mode, models)
     # the tokenizer first: its files and its size against the config's vocabulary, before
     # any weights are read
-    from ddtree.models.checkpoint import read_config
-    from ddtree.models.tokenizer import config_vocab_size
+    from ddtree.models.loading.checkpoint import read_config
+    from ddtree.models.loading.tokenizer import config_vocab_size
 
     codec = TextCodec(target_path, config_vocab_size(read_config(target_path)))
     dtype = getattr(torch, args.dtype)
@@ -302,7 +302,7 @@ def load_models(
 def checkpoint_dtype(path: Path) -> str | None:
     """The dtype a checkpoint's config.json says its weights are stored in (``dtype``, or
     the older ``torch_dtype``), or None when it does not say."""
-    from ddtree.models.checkpoint import read_config
+    from ddtree.models.loading.checkpoint import read_config
 
     config = read_config(path)
     stored = config.get("dtype") or config.get("torch_dtype")

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         preset_shapes,
     )
     from ddtree.commands._output import bench_record_out, console, note, progress
-    from ddtree.models.linear import ATEN, ONEDNN_PACKED, packed_unavailable
+    from ddtree.models.nn.linear import ATEN, ONEDNN_PACKED, packed_unavailable
     from ddtree.models.presets import Preset
 
     set_threads(args)

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.models.attention import AttentionInputs
+from ddtree.models.adapters.target import CachedTarget
 from ddtree.models.base import TargetOutput
-from ddtree.models.layers import check_commit, check_positions
+from ddtree.models.nn.attention import AttentionInputs
+from ddtree.models.nn.causal_lm import CausalLM
+from ddtree.models.nn.layers import check_commit, check_positions
 from ddtree.models.static import (
     CompiledForward,
     EngineModeError,
@@ -36,7 +38,6 @@ from ddtree.models.static import (
     kv_bucket,
     mark_key_dim,
 )
-from ddtree.models.target import CachedTarget, CausalLM
 from ddtree.tree.layout import compaction_indices
 
 
