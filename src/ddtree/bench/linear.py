@@ -145,3 +145,10 @@ def _random_linear(shape: LinearShape, dtype: torch.dtype, gen: torch.Generator)
     with torch.no_grad():
         layer.weight.normal_(0, 0.02, generator=gen)
     return layer.requires_grad_(False)
+
+
+def linear_result(config: dict, shapes: list[LinearShape], points: list[LinearPoint]):
+    """The bench_linear result: its summary is :func:`forward_seconds` of the points."""
+    from ddtree.bench.result import BenchResult
+
+    return BenchResult("bench_linear", config, forward_seconds(points, shapes), points)
