@@ -5,7 +5,7 @@ prints, records and emits it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -14,3 +14,14 @@ class BenchResult:
     config: dict
     summary: dict
     points: list  # dataclasses, one per measured point
+    document: dict | None = None  # the --json line where a bench has its own layout
+
+    @property
+    def rows(self) -> list[dict]:
+        return [asdict(p) for p in self.points]
+
+    def json_document(self) -> dict:
+        """The one ``--json`` line: ``document``, else config, summary and points."""
+        if self.document is not None:
+            return self.document
+        return {"config": self.config, "summary": self.summary, "points": self.rows}

@@ -15,11 +15,12 @@ from ddtree.commands._output import console, note, progress
 def measure(
     args: argparse.Namespace,
     points: Iterable,
-    total: int,
+    total: int | None,
     label: Callable[[object], str],
     result: Callable[[list], BenchResult],
 ) -> BenchResult:
-    """``result`` of every point ``points`` yields (``label``: the progress line of each)."""
+    """``result`` of every point ``points`` yields (``label``: the progress line of each;
+    ``total`` None: no count known ahead)."""
     from ddtree.signals import keep
 
     done: list = []
@@ -31,39 +32,40 @@ def measure(
     except KeyboardInterrupt:
         if args.records and done:
             partial = result(done)
-            append_record(args.records, partial, f"after {len(done)} of {total} points")
+            append_record(args.records, partial, f"after {len(done)}{_of(total)} points")
             keep(
-                args.records, f"a {partial.kind} record of the first {len(done)} of {total} points"
+                args.records, f"a {partial.kind} record of the first {len(done)}{_of(total)} points"
             )
         raise
     return result(done)
 
 
+def _of(total: int | None) -> str:
+    return "" if total is None else f" of {total}"
+
+
 def append_record(path, result: BenchResult, interrupted: str | None = None) -> None:
     """``result`` as one record appended to ``path`` (``interrupted``: into its config)."""
-    from dataclasses import asdict
-
     from ddtree.provenance import this_hardware, this_process
     from ddtree.records import make_record, write_records
 
     config = result.config if interrupted is None else {**result.config, "interrupted": interrupted}
     producer = this_process(f"ddtree {result.kind.replace('_', ' ')}")
-    rows = [asdict(p) for p in result.points]
-    record = make_record(result.kind, this_hardware(), config, result.summary, rows, producer)
+    record = make_record(
+        result.kind, this_hardware(), config, result.summary, result.rows, producer
+    )
     write_records(path, [record])
 
 
 def report(args: argparse.Namespace, result: BenchResult, table: Callable[[], object]) -> int:
     """The record (``--records``), then one JSON line (``--json``) or ``table()`` on stdout."""
     import json
-    from dataclasses import asdict
 
     if args.records:
         append_record(args.records, result)
         note(f"wrote a {result.kind} record to {args.records}")
     if args.json:
-        rows = [asdict(p) for p in result.points]
-        print(json.dumps({"config": result.config, "summary": result.summary, "points": rows}))
+        print(json.dumps(result.json_document()))
     else:
         console().print(table())
     return 0
