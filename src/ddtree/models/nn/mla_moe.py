@@ -19,8 +19,8 @@ row ``[kv_lora_rank + rope_dim]`` (preallocated, grown geometrically). Attention
 ``naive`` (materialise per-head K/V from the latent) or ``absorbed`` (fold ``W_UK`` into the
 query and ``W_UV`` after the attention: one query head group against the latent rows, which
 serve as both keys and values). Both attend without a dense mask
-(``ddtree.models.nn.attention``); the engine modes and the ``Target`` protocol come from the
-shared adapter ``ddtree.models.adapters.target.CachedTarget``.
+(``ddtree.models.nn.attention``). ``ddtree.models.adapters.mla_moe.MlaMoeTarget`` adapts the
+model to the ``Target`` protocol (its engine modes from the shared ``CachedTarget``).
 """
 
 from __future__ import annotations
