@@ -116,7 +116,7 @@ SAMPLING_CASES = [
     _flag("bench serve", "--top-p", "1e-300", TOP_P),
 ]
 
-# ---- --draft-vocab K: a token count >= 1 (ddtree.models.draft_vocab) ---------------------
+# ---- --draft-vocab K: a token count >= 1 (ddtree.models.adapters.draft_vocab) ---------------------
 
 DRAFT_VOCAB = "expected an integer >= 1"
 DRAFT_VOCAB_CASES = [

@@ -224,7 +224,7 @@ def _run_command(run, args: argparse.Namespace) -> int:
             print(interrupted_line(e), file=sys.stderr)
             return exit_code(e)
         finally:
-            parallel = sys.modules.get("ddtree.models.parallel")
+            parallel = sys.modules.get("ddtree.models.adapters.parallel")
             if parallel is not None:  # release the ranks of --tp targets the command opened
                 parallel.close_open_targets()
 

@@ -17,7 +17,7 @@ from ddtree.bench.linear import (
     preset_shapes,
 )
 from ddtree.cli import main
-from ddtree.models.linear import ATEN, ONEDNN_PACKED, packed_unavailable
+from ddtree.models.nn.linear import ATEN, ONEDNN_PACKED, packed_unavailable
 from ddtree.models.presets import Preset
 from ddtree.records import read_records
 

@@ -11,7 +11,7 @@ import torch
 from ddtree.bench.shapes import experts_touched, kv_bytes, step_bytes, weight_bytes
 from ddtree.cli import main
 from ddtree.engine import DecodeConfig
-from ddtree.models.decoder import DecoderModel
+from ddtree.models.nn.decoder import DecoderModel
 from ddtree.models.oracle import OracleDrafter, OracleSpec
 from ddtree.models.presets import Preset, random_drafter, random_target, random_target_config
 from ddtree.records import read_records
@@ -43,7 +43,7 @@ def test_weight_bytes_count_every_matrix_once_and_the_untied_embedding_by_rows(p
 
 
 def test_packed_layers_count_the_same_bytes_as_the_weights_they_replace():
-    from ddtree.models.linear import PackedLinear, packed_unavailable
+    from ddtree.models.nn.linear import PackedLinear, packed_unavailable
 
     if packed_unavailable(torch.device("cpu"), torch.bfloat16):
         pytest.skip("no oneDNN bf16 here")

@@ -150,8 +150,9 @@ def test_demo_on_the_bundled_pair_is_lossless_and_writes_records(tmp_path, capsy
 def test_generate_with_a_hugging_face_target_and_a_dflash_drafter_matches_ar(tmp_path, capsys):
     import torch
 
-    from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
-    from ddtree.models.hf import HFTarget
+    from ddtree.models.adapters.dflash import DFlashDrafter
+    from ddtree.models.adapters.hf import HFTarget
+    from ddtree.models.nn.dflash import DFlashConfig, DFlashModel
 
     target_dir, drafter_dir = tmp_path / "qwen3", tmp_path / "drafter"
     torch.manual_seed(0)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ddtree.models.adapters.mla_moe import MlaMoeTarget
 from ddtree.models.base import ModelInfo
-from ddtree.models.mla_moe import MlaMoeConfig, MlaMoeModel, MlaMoeTarget
+from ddtree.models.nn.mla_moe import MlaMoeConfig, MlaMoeModel
 
 TINY = dict(
     vocab_size=61,
@@ -119,7 +120,7 @@ def tiny_hf_target(kind: str, seed: int = 0, dtype=None, **overrides):
     ``overrides`` change the Qwen3/Llama config (vocab_size, hidden_size, ...)."""
     import transformers
 
-    from ddtree.models.hf import HFTarget
+    from ddtree.models.adapters.hf import HFTarget
 
     common = dict(
         vocab_size=61,
@@ -169,7 +170,8 @@ def tiny_hf_target(kind: str, seed: int = 0, dtype=None, **overrides):
 def decoder_from_hf(model, capacity: int = 64):
     """Our ``DecoderTarget`` with the weights of a transformers Qwen3 / Qwen3-MoE / Llama
     model, in its dtype."""
-    from ddtree.models.decoder import DecoderConfig, DecoderModel, DecoderTarget
+    from ddtree.models.adapters.decoder import DecoderTarget
+    from ddtree.models.nn.decoder import DecoderConfig, DecoderModel
 
     config = DecoderConfig.from_hf(model.config.to_dict(), source="transformers model")
     ours = DecoderModel(config)
@@ -191,7 +193,8 @@ def random_dflash_drafter(
     """A random DFlash drafter on ``target``'s embedding and LM head, in the target's dtype.
     The weights depend on ``seed`` (and the shapes) only, not on ``block``. A small
     ``output_multiplier`` flattens its distributions (wide trees, close scores)."""
-    from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+    from ddtree.models.adapters.dflash import DFlashDrafter
+    from ddtree.models.nn.dflash import DFlashConfig, DFlashModel
 
     info = target.info
     raw = {

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ddtree.engine import DecodeConfig, generate
 from ddtree.engine.batch import BatchEngine, BatchRequest
 from ddtree.engine.stop import StopCondition
-from ddtree.models.rows import Segment, pack
+from ddtree.models.adapters.rows import Segment, pack
 from ddtree.models.static import (
     EngineModeError,
     EnginePlan,
@@ -161,7 +161,8 @@ def test_rows_join_as_others_leave_first_come_first_served(target, drafter, pool
 
 def _naive_twin(target):
     """The same MLA+MoE weights with the naive (materialised keys) attention."""
-    from ddtree.models.mla_moe import MlaMoeModel, MlaMoeTarget
+    from ddtree.models.adapters.mla_moe import MlaMoeTarget
+    from ddtree.models.nn.mla_moe import MlaMoeModel
 
     model = MlaMoeModel(target.model.config, attn_impl="naive")
     model.load_state_dict(target.model.state_dict())
@@ -328,10 +329,10 @@ def test_the_steady_state_keeps_the_steps_with_every_row_decoding():
 
 
 def test_a_batch_whose_cache_does_not_fit_is_refused_naming_its_size(target, monkeypatch):
-    import ddtree.models.presets as presets
+    import ddtree.models.adapters.rows as rows
 
-    monkeypatch.setattr(presets, "available_bytes", lambda device: 10_000)
+    monkeypatch.setattr(rows, "available_bytes", lambda device: 10_000)
     with pytest.raises(MemoryError, match=r"a batch of 8 rows x 96 cache slots needs 0\.\d+ GB"):
         BatchEngine(target, None, max_rows=8, row_capacity=96)
-    monkeypatch.setattr(presets, "available_bytes", lambda device: 10**12)
+    monkeypatch.setattr(rows, "available_bytes", lambda device: 10**12)
     assert BatchEngine(target, None, max_rows=8, row_capacity=96).idle

@@ -113,7 +113,8 @@ def test_compiled_sampled_decoding_follows_the_target_distribution(target, polic
 
 
 def _random_dflash(target, block: int):
-    from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+    from ddtree.models.adapters.dflash import DFlashDrafter
+    from ddtree.models.nn.dflash import DFlashConfig, DFlashModel
 
     raw = {
         "architectures": ["DFlashDraftModel"],

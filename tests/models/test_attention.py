@@ -1,4 +1,4 @@
-"""Verify attention without a dense mask (ddtree.models.attention) against plain softmax
+"""Verify attention without a dense mask (ddtree.models.nn.attention) against plain softmax
 attention over every key under the dense ancestor mask it replaces."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree.models.attention import (
+from ddtree.models.nn.attention import (
     AttentionInputs,
     attention_lse,
     attention_lse_math,

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from tests.tiny import TINY_DEEPSEEK_V3
 
-from ddtree.models.checkpoint import (
+from ddtree.models.loading.checkpoint import (
     CheckpointError,
     load_safetensors,
     match_state_dict,
@@ -35,7 +35,7 @@ def hf_deepseek():
 
 @pytest.mark.parametrize("max_shard_size", [None, "40KB"], ids=["single", "sharded"])
 def test_mla_moe_from_hf_save_pretrained(tmp_path, hf_deepseek, max_shard_size):
-    from ddtree.models.mla_moe import MlaMoeTarget
+    from ddtree.models.adapters.mla_moe import MlaMoeTarget
 
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     hf_deepseek.save_pretrained(tmp_path, **kwargs)
@@ -149,7 +149,7 @@ def test_match_state_dict_truncates_long_lists():
 
 
 def test_mla_moe_errors_name_file_and_tensor(tmp_path, hf_deepseek):
-    from ddtree.models.mla_moe import MlaMoeTarget
+    from ddtree.models.adapters.mla_moe import MlaMoeTarget
 
     hf_deepseek.save_pretrained(tmp_path)
     tensors = load_safetensors(tmp_path)
@@ -196,7 +196,7 @@ def test_save_round_trip_with_tied_and_views(tmp_path):
 
 def test_save_then_mla_moe_load(tmp_path, hf_deepseek):
     """Our writer produces directories our loader (and its shape checks) accept."""
-    from ddtree.models.mla_moe import MlaMoeTarget
+    from ddtree.models.adapters.mla_moe import MlaMoeTarget
 
     save_safetensors(tmp_path, hf_deepseek.state_dict(), hf_deepseek.config.to_dict())
     target = MlaMoeTarget.from_pretrained(tmp_path)
@@ -207,7 +207,7 @@ def test_save_then_mla_moe_load(tmp_path, hf_deepseek):
 
 
 def test_weight_files_without_reading(tmp_path, hf_deepseek):
-    from ddtree.models.checkpoint import weight_files
+    from ddtree.models.loading.checkpoint import weight_files
 
     hf_deepseek.save_pretrained(tmp_path / "many", max_shard_size="40KB")
     files = weight_files(tmp_path / "many")

@@ -12,10 +12,11 @@ import torch
 from safetensors.torch import save_file
 from tests.trees import hf_logits, make_tree, path_of
 
+from ddtree.models.adapters.decoder import DecoderTarget
 from ddtree.models.base import Target
-from ddtree.models.checkpoint import CheckpointError
-from ddtree.models.decoder import DecoderConfig, DecoderModel, DecoderTarget
-from ddtree.models.layers import ConfigError
+from ddtree.models.loading.checkpoint import CheckpointError
+from ddtree.models.nn.decoder import DecoderConfig, DecoderModel
+from ddtree.models.nn.layers import ConfigError
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,8 +11,9 @@ from torch import nn
 
 from ddtree.errors import NonFiniteLogitsError
 from ddtree.models import load_drafter
-from ddtree.models.checkpoint import CheckpointError
-from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+from ddtree.models.adapters.dflash import DFlashDrafter
+from ddtree.models.loading.checkpoint import CheckpointError
+from ddtree.models.nn.dflash import DFlashConfig, DFlashModel
 
 TOL = 1e-4
 VOCAB, HIDDEN = 61, 32

@@ -1,4 +1,4 @@
-"""A reduced draft vocabulary (``--draft-vocab K``, ``ddtree.models.draft_vocab``): the K ids,
+"""A reduced draft vocabulary (``--draft-vocab K``, ``ddtree.models.adapters.draft_vocab``): the K ids,
 the K-row head, the drafter's proposes over them, the trees built from them, and greedy
 output equal to AR on a tiny random pair and on the bundled demo pair."""
 
@@ -15,7 +15,7 @@ from ddtree import tree as tree_core
 from ddtree.engine import DecodeConfig, generate
 from ddtree.engine.propose import proposer_for
 from ddtree.engine.timing import StageClock
-from ddtree.models.draft_vocab import (
+from ddtree.models.adapters.draft_vocab import (
     COUNTS_FILE,
     DraftVocabError,
     check_draft_vocab,
@@ -26,7 +26,7 @@ from ddtree.models.draft_vocab import (
     save_token_counts,
     token_counts,
 )
-from ddtree.models.linear import PackedLinear, packed_unavailable
+from ddtree.models.nn.linear import PackedLinear, packed_unavailable
 from ddtree.vocab import get_policy
 
 

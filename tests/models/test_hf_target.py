@@ -7,14 +7,14 @@ import torch
 from tests.tiny import TINY_DEEPSEEK_V3, TINY_LLAMA, TINY_QWEN3, TINY_VOCAB
 from tests.trees import make_tree
 
-from ddtree.models.base import Target
-from ddtree.models.hf import (
+from ddtree.models.adapters.hf import (
     CacheKeywordError,
     HFTarget,
     NonFiniteLogitsError,
     causal_float_mask,
     detect_cache_keyword,
 )
+from ddtree.models.base import Target
 from ddtree.tree.layout import verify_layout
 from ddtree.tree.types import DraftTree
 
@@ -347,7 +347,7 @@ def test_causal_float_mask():
 
 
 def test_from_pretrained_round_trip(tmp_path):
-    from ddtree.models.checkpoint import CheckpointError
+    from ddtree.models.loading.checkpoint import CheckpointError
 
     model = make_model("qwen3")
     model.save_pretrained(tmp_path / "q")

@@ -1,4 +1,4 @@
-"""The linear-layer kernels (ddtree.models.linear): the choice and its refusals, packed layers
+"""The linear-layer kernels (ddtree.models.nn.linear): the choice and its refusals, packed layers
 that equal nn.Linear eager and compiled, a loaded model that holds one copy of each weight and
 names its kernel, and a random bfloat16 target that decodes exactly through packed layers in
 both engine modes."""
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ddtree.engine import DecodeConfig, generate
-from ddtree.models.linear import (
+from ddtree.models.nn.linear import (
     ATEN,
     ENV_VAR,
     ONEDNN_PACKED,

@@ -20,7 +20,7 @@ from ddtree.models import (
     target_engine_modes,
 )
 from ddtree.models.base import ModelInfo
-from ddtree.models.checkpoint import CheckpointError
+from ddtree.models.loading.checkpoint import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,8 +47,8 @@ def qwen_dir(tmp_path_factory):
 
 
 def test_deepseek_dispatches_to_mla_moe_and_agrees_with_hf(deepseek_dir):
-    from ddtree.models.hf import HFTarget
-    from ddtree.models.mla_moe import MlaMoeTarget
+    from ddtree.models.adapters.hf import HFTarget
+    from ddtree.models.adapters.mla_moe import MlaMoeTarget
 
     ours = load_target(deepseek_dir)
     assert isinstance(ours, MlaMoeTarget) and ours.info.implementation == "mla_moe"
@@ -60,8 +60,8 @@ def test_deepseek_dispatches_to_mla_moe_and_agrees_with_hf(deepseek_dir):
 
 
 def test_qwen_dispatches_to_our_decoder_and_agrees_with_hf(qwen_dir):
-    from ddtree.models.decoder import DecoderTarget
-    from ddtree.models.hf import HFTarget
+    from ddtree.models.adapters.decoder import DecoderTarget
+    from ddtree.models.adapters.hf import HFTarget
 
     ours = load_target(qwen_dir)
     assert isinstance(ours, DecoderTarget) and ours.info.implementation == "decoder"
@@ -192,7 +192,9 @@ def test_load_drafter_checks_then_delegates(tmp_path, monkeypatch):
             return "drafter"
 
     monkeypatch.setitem(
-        sys.modules, "ddtree.models.dflash", types.SimpleNamespace(DFlashDrafter=FakeDrafter)
+        sys.modules,
+        "ddtree.models.adapters.dflash",
+        types.SimpleNamespace(DFlashDrafter=FakeDrafter),
     )
     target = types.SimpleNamespace(info=TARGET)
     (tmp_path / "config.json").write_text(json.dumps(DRAFTER))

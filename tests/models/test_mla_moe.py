@@ -7,14 +7,9 @@ import torch
 from tests.trees import hf_logits, make_tree, path_of
 
 from ddtree.errors import NonFiniteLogitsError
+from ddtree.models.adapters.mla_moe import MlaMoeTarget
 from ddtree.models.base import Target
-from ddtree.models.mla_moe import (
-    ConfigError,
-    LatentCache,
-    MlaMoeConfig,
-    MlaMoeModel,
-    MlaMoeTarget,
-)
+from ddtree.models.nn.mla_moe import ConfigError, LatentCache, MlaMoeConfig, MlaMoeModel
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 from tests.engine.helpers import TINY, per_expert, tiny_mla_target
 from tests.trees import make_tree
 
-from ddtree.models.checkpoint import CheckpointError, CheckpointSlices, save_safetensors
-from ddtree.models.mla_moe import MlaMoeConfig, MlaMoeTarget
-from ddtree.models.parallel import (
+from ddtree.models.adapters.mla_moe import MlaMoeTarget
+from ddtree.models.adapters.parallel import (
     ParallelConfigError,
     ParallelPlan,
     decode_tree,
@@ -23,6 +22,8 @@ from ddtree.models.parallel import (
     load_shard,
     unpack_bits,
 )
+from ddtree.models.loading.checkpoint import CheckpointError, CheckpointSlices, save_safetensors
+from ddtree.models.nn.mla_moe import MlaMoeConfig
 from ddtree.perf.cost.step import DEPLOYMENTS, collectives_per_forward
 from ddtree.perf.shapes.model import shape_from_config
 from ddtree.tree.layout import pack_bits

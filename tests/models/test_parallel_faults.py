@@ -14,7 +14,7 @@ import torch
 from ddtree.commands._decode import DEMO_DIR
 from ddtree.distributed import join_launched_group
 from ddtree.errors import DistributedError
-from ddtree.models.parallel import load_parallel_target
+from ddtree.models.adapters.parallel import load_parallel_target
 
 TARGET = DEMO_DIR / "target"
 TIMEOUT_S = 60.0

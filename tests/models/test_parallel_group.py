@@ -12,14 +12,14 @@ from ddtree.commands._decode import DEMO_DIR, TextCodec, demo_prompts
 from ddtree.distributed import spawn_group
 from ddtree.engine import DecodeConfig, generate
 from ddtree.models import load_drafter
-from ddtree.models.checkpoint import CheckpointError, read_config
-from ddtree.models.mla_moe import MlaMoeTarget
-from ddtree.models.parallel import (
+from ddtree.models.adapters.mla_moe import MlaMoeTarget
+from ddtree.models.adapters.parallel import (
     ParallelTarget,
     SessionSpec,
     release,
     serve_spawned,
 )
+from ddtree.models.loading.checkpoint import CheckpointError, read_config
 from ddtree.perf.cost.step import CONTROL_BROADCASTS_PER_CALL, DEPLOYMENTS, collectives_per_forward
 from ddtree.perf.shapes.model import shape_from_config
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddtree.engine import DecodeConfig, generate
-from ddtree.models.compat import check_drafter_compat
+from ddtree.models.loading.compat import check_drafter_compat
 from ddtree.models.oracle import OracleDrafter, OracleSpec
 from ddtree.models.presets import (
     MemoryPlan,
@@ -49,7 +49,7 @@ def test_a_preset_is_the_estimators_shape_of_the_same_model(name):
 
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_the_drafter_fits_its_target(name):
-    from ddtree.models.decoder import model_info
+    from ddtree.models.nn.decoder import model_info
 
     preset = Preset.load(name)
     config = random_target_config(preset)

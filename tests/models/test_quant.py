@@ -1,4 +1,4 @@
-"""Quantized checkpoints (``ddtree.models.quant``): tiny random DeepSeek-V3 / Kimi-K2 targets
+"""Quantized checkpoints (``ddtree.models.loading.quant``): tiny random DeepSeek-V3 / Kimi-K2 targets
 quantized by our quantize functions, written in the published layouts (fp8 block scales as
 DeepSeek-V3 / Kimi-K2-Instruct, int4 pack-quantized routed experts as Kimi-K2-Thinking), load
 in one process and tensor parallel into logits equal to the float model of the dequantized
@@ -20,10 +20,10 @@ from tests.models.test_parallel import TOL, shards
 from tests.trees import make_tree
 
 from ddtree.engine.runrecord import model_config
-from ddtree.models.checkpoint import CheckpointSlices
-from ddtree.models.mla_moe import MlaMoeConfig, MlaMoeTarget, _fuse_per_expert, build_model
-from ddtree.models.parallel import ParallelPlan, load_shard
-from ddtree.models.quant import (
+from ddtree.models.adapters.mla_moe import MlaMoeTarget
+from ddtree.models.adapters.parallel import ParallelPlan, load_shard
+from ddtree.models.loading.checkpoint import CheckpointSlices
+from ddtree.models.loading.quant import (
     Fp8Block,
     PackQuantized,
     QuantizationError,
@@ -32,6 +32,7 @@ from ddtree.models.quant import (
     scheme_from_config,
     unpack_int32,
 )
+from ddtree.models.nn.mla_moe import MlaMoeConfig, build_model, fuse_per_expert
 
 # quantization_config of DeepSeek-V3 / Kimi-K2-Instruct (config.json)
 FP8_CONFIG = {
@@ -148,7 +149,7 @@ def quantized_checkpoint(path, fmt: str, model: str = "kimi", n_shards: int = 1,
 def float_target(floats: dict, model: str, dtype=torch.float32) -> MlaMoeTarget:
     """The unquantized model built from the dequantized weights."""
     config = MlaMoeConfig.from_hf(dict(TINY, **MODELS[model]), source="tiny")
-    tensors = _fuse_per_expert(dict(floats), config)
+    tensors = fuse_per_expert(dict(floats), config)
     return MlaMoeTarget(build_model(config, "absorbed", tensors, dtype, "cpu"), capacity=64)
 
 

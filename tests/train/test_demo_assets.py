@@ -27,7 +27,7 @@ def test_demo_pair_fits_the_size_limit():
 def test_demo_target_loads_in_both_implementations():
     from transformers import AutoModelForCausalLM
 
-    from ddtree.models.mla_moe import MlaMoeTarget
+    from ddtree.models.adapters.mla_moe import MlaMoeTarget
 
     torch.set_num_threads(1)
     ours = MlaMoeTarget.from_pretrained(DEMO / "target")
@@ -42,8 +42,8 @@ def test_demo_target_loads_in_both_implementations():
 
 
 def test_demo_drafter_loads_on_the_target_and_tokenizer_round_trips():
-    from ddtree.models.dflash import DFlashDrafter
-    from ddtree.models.mla_moe import MlaMoeTarget
+    from ddtree.models.adapters.dflash import DFlashDrafter
+    from ddtree.models.adapters.mla_moe import MlaMoeTarget
     from ddtree.train.tokenizer import MASK_TOKEN, load_tokenizer, special_id
 
     target = MlaMoeTarget.from_pretrained(DEMO / "target")

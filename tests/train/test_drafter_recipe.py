@@ -42,8 +42,8 @@ def test_drafter_trains_exports_and_decodes_losslessly(tiny_target, tmp_path):
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"]["target_layer_ids"] == [0, 1]
 
-    from ddtree.models.dflash import DFlashDrafter
-    from ddtree.models.mla_moe import MlaMoeTarget
+    from ddtree.models.adapters.dflash import DFlashDrafter
+    from ddtree.models.adapters.mla_moe import MlaMoeTarget
 
     target = MlaMoeTarget.from_pretrained(tiny_target)
     drafter = DFlashDrafter.from_pretrained(tmp_path, target)

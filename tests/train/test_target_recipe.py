@@ -97,7 +97,7 @@ def test_target_trains_resumes_exactly_and_loads(tmp_path, tiny_shape):
 
     from transformers import AutoModelForCausalLM
 
-    from ddtree.models.mla_moe import MlaMoeTarget
+    from ddtree.models.adapters.mla_moe import MlaMoeTarget
 
     ours = MlaMoeTarget.from_pretrained(out)
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()

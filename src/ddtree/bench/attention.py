@@ -6,7 +6,7 @@ replaced, side by side: time and peak memory over context length S and budget N.
   SDPA over the whole cache (grouped-query heads by ``enable_gqa``);
 - ``dense-math``: what our own targets' eager verify did before this module: the same mask
   added to materialised float32 scores ``[nh, M, S + M]``, softmax, then the values;
-- ``split``: ``ddtree.models.attention``: the tail's ``[M, M]`` mask built from the tree's
+- ``split``: ``ddtree.models.nn.attention``: the tail's ``[M, M]`` mask built from the tree's
   visibility, a maskless flash attention over the prefix, a masked one over the tail, merged by
   log-sum-exp.
 
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ddtree.bench.result import BenchResult
 from ddtree.bench.timing import time_call
-from ddtree.models.attention import AttentionInputs, grouped_attention
+from ddtree.models.nn.attention import AttentionInputs, grouped_attention
 from ddtree.tree.layout import verify_layout
 from ddtree.tree.types import DraftTree
 
@@ -177,3 +178,24 @@ def bench_attention(
                     peak_bytes=peak_bytes(fn, device),
                     max_abs_diff=(fn().float() - reference.float()).abs().max().item(),
                 )
+
+
+def attention_result(
+    config: dict, contexts: list[int], budgets: list[int], points: list[AttentionPoint]
+) -> BenchResult:
+    """The bench_attention result: per ``S{s}_N{n}`` whose three methods were all timed,
+    dense's and math's time and peak memory over split's (x > 1: split is better)."""
+    by_key = {(p.context, p.budget, p.method): p for p in points}
+    summary = {}
+    for s in contexts:
+        for n in budgets:
+            if any((s, n, m) not in by_key for m in METHODS):
+                continue
+            split, dense, math = (by_key[(s, n, m)] for m in ("split", "dense", "dense-math"))
+            summary[f"S{s}_N{n}"] = {
+                "time_dense_over_split": dense.median_s / split.median_s,
+                "time_math_over_split": math.median_s / split.median_s,
+                "memory_dense_over_split": dense.peak_bytes / max(split.peak_bytes, 1),
+                "memory_math_over_split": math.peak_bytes / max(split.peak_bytes, 1),
+            }
+    return BenchResult("bench_attention", config, summary, points)

@@ -175,8 +175,8 @@ def count_kernels(target_dir: Path, drafter_dir: Path, prompt: list[int], budget
     """Counts over one verify at budget ``budget`` after prefilling ``prompt``."""
     from ddtree import tree as tree_core
     from ddtree.models import load_drafter, load_target
-    from ddtree.models.layers import GatedMLP
-    from ddtree.models.mla_moe import Attention, MoE
+    from ddtree.models.nn.layers import GatedMLP
+    from ddtree.models.nn.mla_moe import Attention, MoE
 
     torch.manual_seed(0)
     target = load_target(target_dir)

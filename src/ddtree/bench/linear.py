@@ -1,4 +1,4 @@
-"""The linear layers of one model shape, each kernel of ``ddtree.models.linear`` against verify
+"""The linear layers of one model shape, each kernel of ``ddtree.models.nn.linear`` against verify
 width M: what makes a verify of M tokens cost about one token's weight reads.
 
 For each weight shape of a preset (``q/k/v/o``, ``gate/up/down``, the LM head), enough copies
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ddtree.bench.timing import time_call
-from ddtree.models.linear import ATEN, PackedLinear
+from ddtree.models.nn.linear import ATEN, PackedLinear
 
 MIN_SET_BYTES = 256 * 10**6  # the least set, whatever the cache (an unknown one included)
 
@@ -145,3 +145,10 @@ def _random_linear(shape: LinearShape, dtype: torch.dtype, gen: torch.Generator)
     with torch.no_grad():
         layer.weight.normal_(0, 0.02, generator=gen)
     return layer.requires_grad_(False)
+
+
+def linear_result(config: dict, shapes: list[LinearShape], points: list[LinearPoint]):
+    """The bench_linear result: its summary is :func:`forward_seconds` of the points."""
+    from ddtree.bench.result import BenchResult
+
+    return BenchResult("bench_linear", config, forward_seconds(points, shapes), points)

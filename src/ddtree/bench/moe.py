@@ -12,7 +12,7 @@ bound by streaming those experts' weights. Per M the benchmark reports
 - **effective bytes/s** = bytes moved / median seconds per layer, and its fraction of a peak
   bandwidth (``ddtree bench bandwidth``, or a figure given by the user).
 
-Precisions: ``bfloat16`` (fused expert weights in bfloat16, the layer of ``ddtree.models.mla_moe``)
+Precisions: ``bfloat16`` (fused expert weights in bfloat16, the layer of ``ddtree.models.nn.mla_moe``)
 and ``int4`` (routed experts weight-only INT4, symmetric, one bfloat16 scale per group of 32
 input columns, as Kimi K2-Thinking ships them; each touched expert is dequantised to bfloat16
 inside the forward). Shared experts and the router keep their precision in both (BF16, FP32).
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from ddtree.bench.timing import time_call
-from ddtree.models.layers import Experts
-from ddtree.models.mla_moe import SUPPORTED_MODEL_TYPES, MlaMoeConfig, MoE, Router
+from ddtree.models.nn.layers import Experts
+from ddtree.models.nn.mla_moe import SUPPORTED_MODEL_TYPES, MlaMoeConfig, MoE, Router
 
 PRECISIONS = ("bfloat16", "int4")
 INT4_GROUP_SIZE = 32

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.engine.loop import DecodeConfig, GenerationResult
-from ddtree.models.linear import weight_tensors
+from ddtree.models.nn.linear import weight_tensors
 
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 

@@ -163,16 +163,15 @@ def _batched_points(
         )
 
 
-def to_record(points: list[TreeBenchPoint], hardware, config: dict):
-    """The tree benchmark's record builder: one ``bench_tree`` record for the whole sweep."""
-    from ddtree.provenance import this_process
-    from ddtree.records import make_record
+def tree_result(points: list[TreeBenchPoint], config: dict, hardware_label: str):
+    """The bench_tree result (no summary: the points are the figures); its ``--json`` line
+    carries the hardware label and the config at the top."""
+    from ddtree.bench.result import BenchResult
 
-    return make_record(
-        "bench_tree",
-        hardware,
-        config,
-        {},
-        [p.as_dict() for p in points],
-        this_process("ddtree bench tree"),
-    )
+    document = {
+        "bench": "tree",
+        "hardware": hardware_label,
+        **config,
+        "points": [p.as_dict() for p in points],
+    }
+    return BenchResult("bench_tree", config, {}, points, document)

@@ -128,39 +128,75 @@ def top_p(text: str) -> float:
     return value
 
 
-def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    p.add_argument("--block", type=positive_int, default=8, help="block size B (drafter slots)")
-    p.add_argument(
+@dataclass(frozen=True)
+class DecodeFlag:
+    """One decode flag and the ``DecodeConfig`` field it sets: ``add_decode_arguments`` adds
+    the flag, ``decode_config`` fills the field, both from :data:`DECODE_FLAGS`, so a field and
+    its flag cannot drift (tests/commands/test_decode_flags.py holds the defaults to the
+    config's)."""
+
+    flag: str
+    field: str | None  # the DecodeConfig field; None: a load option (the drafter's vocabulary)
+    type: Callable[[str], object]
+    default: object  # MAX_NEW_TOKENS: the command's own
+    help: str
+    metavar: str | None = None
+    to_config: Callable[[object], object] = lambda value: value
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+MAX_NEW_TOKENS = object()  # DecodeFlag.default: each command passes its own
+BUDGET_DEFAULT = 32
+
+DECODE_FLAGS = (
+    DecodeFlag("--block", "block_size", positive_int, 8, "block size B (drafter slots)"),
+    DecodeFlag(
         "--budget",
-        type=budget_arg,
-        default=32,
-        help="DDTree budget N, non-root nodes, or 'auto': each step verifies the best prefix "
+        "budget",
+        budget_arg,
+        BUDGET_DEFAULT,
+        "DDTree budget N, non-root nodes, or 'auto': each step verifies the best prefix "
         f"of a {AUTO_MAX_BUDGET}-node tree for this machine's measured verify cost, the load "
         "and each request's recent acceptance (default: %(default)s)",
-    )
-    p.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=non_negative_int, default=0, help="sampling top-k (0: off)")
-    p.add_argument("--top-p", type=top_p, default=1.0, help="sampling top-p (1: off)")
-    p.add_argument("--seed", type=seed, default=0, help="sampling seed")
-    p.add_argument(
-        "--max-new-tokens", type=positive_int, default=max_new_tokens, help="tokens per prompt"
-    )
-    p.add_argument(
+    ),
+    DecodeFlag("--temperature", "temperature", temperature, 0.0, "0: greedy"),
+    DecodeFlag("--top-k", "top_k", non_negative_int, 0, "sampling top-k (0: off)"),
+    DecodeFlag("--top-p", "top_p", top_p, 1.0, "sampling top-p (1: off)"),
+    DecodeFlag("--seed", "seed", seed, 0, "sampling seed"),
+    DecodeFlag(
+        "--max-new-tokens", "max_new_tokens", positive_int, MAX_NEW_TOKENS, "tokens per prompt"
+    ),
+    DecodeFlag(
         "--draft-vocab",
-        type=positive_int,
-        metavar="K",
-        help="the drafter proposes over the K most frequent tokens only (its LM head computes K "
+        None,
+        positive_int,
+        None,
+        "the drafter proposes over the K most frequent tokens only (its LM head computes K "
         "rows: a cheaper draft; the target still verifies the full vocabulary, so the output is "
         "unchanged); the counts come from draft_vocab.json beside the drafter "
         "(default: the full vocabulary)",
-    )
-    p.add_argument(
+        metavar="K",
+    ),
+    DecodeFlag(
         "--buckets",
-        type=int_list,
-        default=[],
-        help="compiled mode: verify width buckets, e.g. 1,16,64 (default: each policy's width "
+        "buckets",
+        int_list,
+        [],
+        "compiled mode: verify width buckets, e.g. 1,16,64 (default: each policy's width "
         "M, nothing padded; the widest also sets the prefill chunk)",
-    )
+        to_config=tuple,
+    ),
+)
+
+
+def add_decode_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    for f in DECODE_FLAGS:
+        default = max_new_tokens if f.default is MAX_NEW_TOKENS else f.default
+        extra = {"metavar": f.metavar} if f.metavar else {}
+        p.add_argument(f.flag, type=f.type, default=default, help=f.help, **extra)
 
 
 def policy_list(replay: bool = False) -> Callable[[str], list[str]]:
@@ -194,32 +230,23 @@ def engine_modes(text: str) -> list[str]:
 
 
 def decode_config(args: argparse.Namespace, policy: str, budget: int | None = None, **extra):
-    """A ``DecodeConfig`` from the arguments ``add_decode_arguments`` added."""
+    """A ``DecodeConfig`` from the arguments ``add_decode_arguments`` added (``budget``: this
+    one instead of ``--budget``; ``auto`` where the policy uses no budget: the default)."""
     from ddtree.engine import DecodeConfig
 
-    n = args.budget if budget is None else budget
+    fields = {f.field: f.to_config(getattr(args, f.dest)) for f in DECODE_FLAGS if f.field}
+    n = fields["budget"] if budget is None else budget
     auto = n == AUTO and get_policy(policy).uses_budget
-    return DecodeConfig(
-        policy=policy,
-        block_size=args.block,
-        budget=(AUTO_MAX_BUDGET if auto else 32) if n == AUTO else n,
-        auto_budget=auto,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        buckets=tuple(args.buckets),
-        **extra,
-    )
+    fields["budget"] = (AUTO_MAX_BUDGET if auto else BUDGET_DEFAULT) if n == AUTO else n
+    return DecodeConfig(policy=policy, auto_budget=auto, **fields, **extra)
 
 
 class TextCodec:
     """Text <-> token ids with the target's tokenizer (``tokenizer.json``, checked by
-    ``ddtree.models.tokenizer.load_tokenizer``: no more ids than ``vocab_size``)."""
+    ``ddtree.models.loading.tokenizer.load_tokenizer``: no more ids than ``vocab_size``)."""
 
     def __init__(self, path: Path, vocab_size: int | None = None) -> None:
-        from ddtree.models.tokenizer import load_tokenizer
+        from ddtree.models.loading.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(path, vocab_size)
 
@@ -275,8 +302,8 @@ def load_models(
         check_engine_support(mode, models)
     # the tokenizer first: its files and its size against the config's vocabulary, before
     # any weights are read
-    from ddtree.models.checkpoint import read_config
-    from ddtree.models.tokenizer import config_vocab_size
+    from ddtree.models.loading.checkpoint import read_config
+    from ddtree.models.loading.tokenizer import config_vocab_size
 
     codec = TextCodec(target_path, config_vocab_size(read_config(target_path)))
     dtype = getattr(torch, args.dtype)
@@ -302,7 +329,7 @@ def load_models(
 def checkpoint_dtype(path: Path) -> str | None:
     """The dtype a checkpoint's config.json says its weights are stored in (``dtype``, or
     the older ``torch_dtype``), or None when it does not say."""
-    from ddtree.models.checkpoint import read_config
+    from ddtree.models.loading.checkpoint import read_config
 
     config = read_config(path)
     stored = config.get("dtype") or config.get("torch_dtype")

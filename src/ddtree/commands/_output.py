@@ -105,24 +105,3 @@ def progress(what: str, total: int | None = None) -> Iterator[Tracker]:
 def note(text: str) -> None:
     """A line for the user that is not the answer (what was chosen, what was written)."""
     print(text, file=sys.stderr, flush=True)
-
-
-def bench_record_out(args, kind: str, config: dict, summary: dict, points: list) -> bool:
-    """A benchmark's record (``kind``; appended to ``args.records`` when given) and, with
-    ``args.json``, its one JSON document on stdout. True when the JSON was printed (the
-    caller then prints no table)."""
-    import json
-    from dataclasses import asdict
-
-    from ddtree.provenance import this_hardware, this_process
-    from ddtree.records import make_record, write_records
-
-    rows = [asdict(p) for p in points]
-    if args.records:
-        producer = this_process(f"ddtree {kind.replace('_', ' ')}")
-        record = make_record(kind, this_hardware(), config, summary, rows, producer)
-        write_records(args.records, [record])
-        note(f"wrote a {kind} record to {args.records}")
-    if args.json:
-        print(json.dumps({"config": config, "summary": summary, "points": rows}))
-    return bool(args.json)

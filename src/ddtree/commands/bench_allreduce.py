@@ -87,7 +87,7 @@ def _check(args: argparse.Namespace) -> None:
 
     import torch
 
-    from ddtree.models.presets import available_bytes
+    from ddtree.models.loading.memory import available_bytes
 
     if len(set(args.m)) < 2:
         raise ValueError(
@@ -104,7 +104,7 @@ def _check(args: argparse.Namespace) -> None:
     per_rank = max(args.m) * args.hidden * getattr(torch, args.dtype).itemsize
     here = local if args.device == "cpu" else 1
     have = available_bytes(torch.device(args.device))
-    if per_rank * here > MEMORY_SHARE * have:
+    if have is not None and per_rank * here > MEMORY_SHARE * have:
         raise ValueError(
             f"--m {max(args.m)}: a message of {max(args.m)} x {args.hidden} {args.dtype} is "
             f"{per_rank / 1e9:,.1f} GB per rank, {here} rank{'s' if here > 1 else ''} on "

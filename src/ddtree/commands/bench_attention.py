@@ -48,58 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.table import Table
 
-    from ddtree.bench.attention import AttentionShape, bench_attention
-    from ddtree.commands._output import bench_record_out, console, progress
+    from ddtree.bench.attention import AttentionShape, attention_result, bench_attention
+    from ddtree.commands._bench import measure, report
 
     if args.heads % args.kv_heads:
         raise ValueError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     set_threads(args)
     shape = AttentionShape(args.heads, args.kv_heads, args.head_dim)
     dtype = getattr(torch, args.dtype)
-    points = []
-    total = 3 * len(args.contexts) * len(args.budgets)
-    with progress("timing", total=total) as bar:
-        for pt in bench_attention(
-            args.contexts, args.budgets, shape, dtype, args.device, args.repeats
-        ):
-            bar.advance(f"S={pt.context} N={pt.budget} {pt.method}")
-            points.append(pt)
-    table = Table(
-        title=f"ddtree bench attention ({args.device}, {args.dtype}, {threads_label(args)}; "
-        f"heads {shape.heads}/{shape.kv_heads}, head dim {shape.head_dim})",
-        caption="one layer, mask building included. split: prefix + tail merged (ours now); "
-        "dense: additive [M, S+M] mask + fused SDPA; math: the same mask on materialised "
-        "scores (our targets before). MB: peak bytes allocated beyond the inputs. "
-        "x/split > 1: split is better",
-    )
-    for col in ("S", "N", "split ms", "dense ms", "math ms", "split MB", "dense MB",
-                "math MB", "dense/split time", "dense/split mem", "math/split mem",
-                "max |diff|"):  # fmt: skip
-        table.add_column(col, justify="right")
-    by_key = {(p.context, p.budget, p.method): p for p in points}
-    summary = {}
-    for s in args.contexts:
-        for n in args.budgets:
-            split, dense, math = (by_key[(s, n, m)] for m in ("split", "dense", "dense-math"))
-            ratios = {
-                "time_dense_over_split": dense.median_s / split.median_s,
-                "time_math_over_split": math.median_s / split.median_s,
-                "memory_dense_over_split": dense.peak_bytes / max(split.peak_bytes, 1),
-                "memory_math_over_split": math.peak_bytes / max(split.peak_bytes, 1),
-            }
-            summary[f"S{s}_N{n}"] = ratios
-            table.add_row(
-                str(s),
-                str(n),
-                *(f"{p.median_s * 1e3:.2f}" for p in (split, dense, math)),
-                *(f"{p.peak_bytes / 1e6:.1f}" for p in (split, dense, math)),
-                f"{ratios['time_dense_over_split']:.2f}x",
-                f"{ratios['memory_dense_over_split']:.1f}x",
-                f"{ratios['memory_math_over_split']:.1f}x",
-                f"{split.max_abs_diff:.2g}",
-            )
     config = {
         "device": args.device,
         "dtype": args.dtype,
@@ -109,6 +66,44 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
     }
-    if not bench_record_out(args, "bench_attention", config, summary, points):
-        console().print(table)
-    return 0
+    result = measure(
+        args,
+        bench_attention(args.contexts, args.budgets, shape, dtype, args.device, args.repeats),
+        3 * len(args.contexts) * len(args.budgets),
+        lambda pt: f"S={pt.context} N={pt.budget} {pt.method}",
+        lambda points: attention_result(config, args.contexts, args.budgets, points),
+    )
+    return report(args, result, lambda: _table(args, result))
+
+
+def _table(args: argparse.Namespace, result):
+    from rich.table import Table
+
+    c = result.config
+    table = Table(
+        title=f"ddtree bench attention ({args.device}, {args.dtype}, {threads_label(args)}; "
+        f"heads {c['heads']}/{c['kv_heads']}, head dim {c['head_dim']})",
+        caption="one layer, mask building included. split: prefix + tail merged (ours now); "
+        "dense: additive [M, S+M] mask + fused SDPA; math: the same mask on materialised "
+        "scores (our targets before). MB: peak bytes allocated beyond the inputs. "
+        "x/split > 1: split is better",
+    )
+    for col in ("S", "N", "split ms", "dense ms", "math ms", "split MB", "dense MB",
+                "math MB", "dense/split time", "dense/split mem", "math/split mem",
+                "max |diff|"):  # fmt: skip
+        table.add_column(col, justify="right")
+    by_key = {(p.context, p.budget, p.method): p for p in result.points}
+    for key, ratios in result.summary.items():
+        s, n = (int(x) for x in key[1:].split("_N"))
+        split, dense, math = (by_key[(s, n, m)] for m in ("split", "dense", "dense-math"))
+        table.add_row(
+            str(s),
+            str(n),
+            *(f"{p.median_s * 1e3:.2f}" for p in (split, dense, math)),
+            *(f"{p.peak_bytes / 1e6:.1f}" for p in (split, dense, math)),
+            f"{ratios['time_dense_over_split']:.2f}x",
+            f"{ratios['memory_dense_over_split']:.1f}x",
+            f"{ratios['memory_math_over_split']:.1f}x",
+            f"{split.max_abs_diff:.2g}",
+        )
+    return table

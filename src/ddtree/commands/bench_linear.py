@@ -51,17 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.table import Table
 
     from ddtree.bench.bandwidth import last_level_cache_bytes
-    from ddtree.bench.linear import (
-        bench_linear,
-        default_set_bytes,
-        forward_seconds,
-        preset_shapes,
-    )
-    from ddtree.commands._output import bench_record_out, console, note, progress
-    from ddtree.models.linear import ATEN, ONEDNN_PACKED, packed_unavailable
+    from ddtree.bench.linear import bench_linear, default_set_bytes, linear_result, preset_shapes
+    from ddtree.commands._bench import measure, report
+    from ddtree.commands._output import note
+    from ddtree.models.nn.linear import ATEN, ONEDNN_PACKED, packed_unavailable
     from ddtree.models.presets import Preset
 
     set_threads(args)
@@ -70,15 +65,8 @@ def run(args: argparse.Namespace) -> int:
     kernels = [ATEN] if why_not else [ATEN, ONEDNN_PACKED]
     if why_not:
         note(f"{ONEDNN_PACKED} not timed: {why_not}")
-    llc = last_level_cache_bytes()
-    set_bytes = args.set_mb * 10**6 if args.set_mb else default_set_bytes(llc)
+    set_bytes = args.set_mb * 10**6 if args.set_mb else default_set_bytes(last_level_cache_bytes())
     shapes = preset_shapes(Preset.load(args.preset).target, f"--preset {args.preset}")
-    points = []
-    with progress("timing", total=len(shapes) * len(args.ms) * len(kernels)) as bar:
-        for pt in bench_linear(shapes, args.ms, kernels, dtype, set_bytes, args.repeats):
-            bar.advance(f"{pt.shape} M={pt.m} {pt.kernel}")
-            points.append(pt)
-    summary = forward_seconds(points, shapes)
     config = {
         "preset": args.preset,
         "device": "cpu",
@@ -88,11 +76,22 @@ def run(args: argparse.Namespace) -> int:
         "set_bytes": set_bytes,
         "repeats": args.repeats,
     }
-    if bench_record_out(args, "bench_linear", config, summary, points):
-        return 0
+    result = measure(
+        args,
+        bench_linear(shapes, args.ms, kernels, dtype, set_bytes, args.repeats),
+        len(shapes) * len(args.ms) * len(kernels),
+        lambda pt: f"{pt.shape} M={pt.m} {pt.kernel}",
+        lambda points: linear_result(config, shapes, points),
+    )
+    return report(args, result, lambda: _table(args, result))
+
+
+def _table(args: argparse.Namespace, result):
+    from rich.table import Table
+
     table = Table(
         title=f"ddtree bench linear: {args.preset}'s weights ({args.dtype}, cpu, "
-        f"{threads_label(args)}; {set_bytes / 1e6:.0f} MB of copies per shape)",
+        f"{threads_label(args)}; {result.config['set_bytes'] / 1e6:.0f} MB of copies per shape)",
         caption="ms per weight (median), and over the same kernel's time at M = 1; GB/s: its "
         "bytes over that time at M = 1; a forward: every layer's weights and the head, each "
         "shape's time times how many a forward reads. max |diff|: against aten",
@@ -104,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     table.add_column("GB/s M=1", justify="right")
     table.add_column("max |diff|", justify="right")
     rows = {}
-    for p in points:
+    for p in result.points:
         rows.setdefault((p.shape, p.kernel), {})[p.m] = p
     for (shape, kernel), by_m in rows.items():
         first = by_m[args.ms[0]]
@@ -115,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
             f"{first.bytes_per_s / 1e9:.1f}",
             f"{max(p.max_abs_diff for p in by_m.values()):.2g}",
         )
-    for kernel in kernels:
-        total = summary[kernel]
+    for kernel in result.config["kernels"]:
+        total = result.summary[kernel]
         table.add_row(
             "a forward",
             kernel,
@@ -127,5 +126,4 @@ def run(args: argparse.Namespace) -> int:
             "",
             "",
         )
-    console().print(table)
-    return 0
+    return table

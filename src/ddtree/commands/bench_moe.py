@@ -132,20 +132,6 @@ def _shape(args: argparse.Namespace):
         raise ValueError(f"arguments: {exc}") from None
 
 
-def _available_bytes(device: str) -> int | None:
-    import torch
-
-    if device == "cuda":
-        return int(torch.cuda.mem_get_info()[0])
-    try:
-        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _peak(args: argparse.Namespace, device: str):
     import torch
 
@@ -185,7 +171,9 @@ def run(args: argparse.Namespace) -> int:
         need = total_weight_bytes(shape, "bfloat16") + (
             total_weight_bytes(shape, "int4", args.group_size) if "int4" in args.precisions else 0
         )
-        free = _available_bytes(device)
+        from ddtree.models.loading.memory import available_bytes
+
+        free = available_bytes(device)
         if free is not None and need > 0.8 * free:
             raise ValueError(
                 f"{source}: one layer's weights need {gib(need):.1f} GiB, {device} has "

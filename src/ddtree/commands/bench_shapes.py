@@ -242,8 +242,8 @@ def _tensor_names(preset):
     """The parameter tensors the random target and drafter have (for the progress total)."""
     import torch
 
-    from ddtree.models.decoder import DecoderModel
-    from ddtree.models.dflash import DFlashConfig, DFlashModel
+    from ddtree.models.nn.decoder import DecoderModel
+    from ddtree.models.nn.dflash import DFlashConfig, DFlashModel
     from ddtree.models.presets import random_target_config
 
     with torch.device("meta"):

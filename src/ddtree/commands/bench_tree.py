@@ -4,7 +4,6 @@ tree backend side by side."""
 from __future__ import annotations
 
 import argparse
-import json
 
 from ddtree.commands._args import (
     add_json_argument,
@@ -54,58 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.table import Table
 
-    from ddtree.bench.tree import available_backends, bench_tree, to_record
-    from ddtree.commands._output import console, note, progress
+    from ddtree.bench.tree import available_backends, bench_tree, tree_result
+    from ddtree.commands._bench import measure, report
     from ddtree.provenance import this_hardware
-    from ddtree.records import write_records
     from ddtree.tree import backend
 
     set_threads(args)
     backends = available_backends()
-    table = Table(
-        title=f"ddtree bench tree (V={args.vocab}, S={args.prefix}, top-k and batched on "
-        f"{args.device}, heap on the CPU, {threads_label(args)}; backend in use: {backend()})",
-        caption="µs per request (top-k in ms). layout: into a reused LayoutBuffer; new mask: "
-        "freshly allocated. vs python: the python row's build+layout / this row's",
-    )
-    columns = ["B", "N", "builder", "R", "top-k ms", "build", "layout", "new mask"]
-    for col in columns + ["build+layout", "accept", "vs python"]:
-        table.add_column(col, justify="right")
-    points = []
-    python_s: dict[tuple[int, int], float] = {}
-    with progress("timing") as bar:
-        for pt in bench_tree(
-            args.blocks,
-            args.budgets,
-            args.vocab,
-            tuple(args.batch),
-            args.repeats,
-            args.prefix,
-            backends=backends,
-            device=args.device,
-        ):
-            bar.update(f"B={pt.block_size} N={pt.budget} {pt.builder} R={pt.requests}")
-            points.append(pt)
-            key = (pt.block_size, pt.budget)
-            if pt.builder == "python":
-                python_s[key] = pt.build_layout_s
-            ratio = python_s.get(key, float("nan")) / pt.build_layout_s
-            table.add_row(
-                str(pt.block_size),
-                str(pt.budget),
-                pt.builder,
-                str(pt.requests),
-                f"{pt.topk_s * 1e3:.2f}",
-                f"{pt.build_s * 1e6:.0f}",
-                f"{pt.layout_s * 1e6:.0f}",
-                f"{pt.layout_alloc_s * 1e6:.0f}",
-                f"{pt.build_layout_s * 1e6:.0f}",
-                f"{pt.accept_s * 1e6:.0f}",
-                f"{ratio:.1f}x",
-            )
-    hw = this_hardware()
     config = {
         "device": args.device,
         "vocab_size": args.vocab,
@@ -117,14 +72,52 @@ def run(args: argparse.Namespace) -> int:
         "tree_backend": backend(),
         "tree_backends_timed": [b.name for b in backends],
     }
-    record = to_record(points, hw, config)
-    if args.records:  # before stdout, which may be a closed pipe
-        write_records(args.records, [record])
-        note(f"wrote a bench_tree record to {args.records}")
-    if args.json:
-        print(
-            json.dumps({"bench": "tree", "hardware": hw.label, **config, "points": record.points})
+    hardware = this_hardware().label
+    points = bench_tree(
+        args.blocks, args.budgets, args.vocab, tuple(args.batch), args.repeats, args.prefix,
+        backends=backends, device=args.device,
+    )  # fmt: skip
+    result = measure(
+        args,
+        points,
+        None,
+        lambda pt: f"B={pt.block_size} N={pt.budget} {pt.builder} R={pt.requests}",
+        lambda points: tree_result(points, config, hardware),
+    )
+    return report(args, result, lambda: _table(args, result.points))
+
+
+def _table(args: argparse.Namespace, points):
+    from rich.table import Table
+
+    from ddtree.tree import backend
+
+    table = Table(
+        title=f"ddtree bench tree (V={args.vocab}, S={args.prefix}, top-k and batched on "
+        f"{args.device}, heap on the CPU, {threads_label(args)}; backend in use: {backend()})",
+        caption="µs per request (top-k in ms). layout: into a reused LayoutBuffer; new mask: "
+        "freshly allocated. vs python: the python row's build+layout / this row's",
+    )
+    columns = ["B", "N", "builder", "R", "top-k ms", "build", "layout", "new mask"]
+    for col in columns + ["build+layout", "accept", "vs python"]:
+        table.add_column(col, justify="right")
+    python_s: dict[tuple[int, int], float] = {}
+    for pt in points:
+        key = (pt.block_size, pt.budget)
+        if pt.builder == "python":
+            python_s[key] = pt.build_layout_s
+        ratio = python_s.get(key, float("nan")) / pt.build_layout_s
+        table.add_row(
+            str(pt.block_size),
+            str(pt.budget),
+            pt.builder,
+            str(pt.requests),
+            f"{pt.topk_s * 1e3:.2f}",
+            f"{pt.build_s * 1e6:.0f}",
+            f"{pt.layout_s * 1e6:.0f}",
+            f"{pt.layout_alloc_s * 1e6:.0f}",
+            f"{pt.build_layout_s * 1e6:.0f}",
+            f"{pt.accept_s * 1e6:.0f}",
+            f"{ratio:.1f}x",
         )
-    else:
-        console().print(table)
-    return 0
+    return table

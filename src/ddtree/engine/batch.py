@@ -2,7 +2,7 @@
 
 The step of ``ddtree.engine.loop`` for a batch of rows: every running row proposes its tree
 (its own proposer and drafter state, chosen once per request as ``generate`` chooses them),
-then **one target forward** verifies every row's tree at once (``ddtree.models.rows``: the
+then **one target forward** verifies every row's tree at once (``ddtree.models.adapters.rows``: the
 trees packed side by side, each row attending to its own region of the cache), then each
 row accepts with its own sampler, commits, and checks its own stop conditions. A request
 that joins is prefilled in the next step's forward (eager mode packs its prompt beside the
@@ -44,8 +44,8 @@ from ddtree.engine.propose import BlockTreeProposer, Proposer, proposer_for
 from ddtree.engine.sample import sampler_for
 from ddtree.engine.stop import StopCondition
 from ddtree.engine.timing import StageClock, StepTimings
+from ddtree.models.adapters.rows import RowsTarget, Segment
 from ddtree.models.base import Drafter, Target
-from ddtree.models.rows import RowsTarget, Segment
 from ddtree.models.static import EnginePlan, check_engine_support
 from ddtree.tree.types import DraftTree
 

@@ -6,7 +6,7 @@ drafter, checked against its target before loading). :func:`target_engine_modes`
 engine modes a checkpoint will run in, before anything is loaded or compiled.
 
 The registry imports its implementations (the architectures each serves come from them), never
-the reverse: the drafter checks they share live in ``ddtree.models.compat``. The transformers
+the reverse: the drafter checks they share live in ``ddtree.models.loading.compat``. The transformers
 wrapper is imported only when it loads (transformers is slow to import).
 """
 
@@ -18,17 +18,18 @@ from pathlib import Path
 
 import torch
 
-from ddtree.models import decoder, dflash, mla_moe
-from ddtree.models.compat import (
+from ddtree.models.adapters.dflash import DFlashDrafter
+from ddtree.models.loading.compat import (
     DRAFTER_ARCHITECTURES,
     UnsupportedModelError,
     check_drafter_compat,
     drafter_target_layer_ids,
 )
+from ddtree.models.nn import decoder, mla_moe
 
 # the engine modes each implementation runs are declared once, on its class (``engine_modes``):
 # the pre-load check reads them here, the engine reads them on the loaded model
-DRAFTER_ENGINE_MODES = dflash.DFlashDrafter.engine_modes
+DRAFTER_ENGINE_MODES = DFlashDrafter.engine_modes
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ TARGET_IMPLS: dict[str, TargetImpl] = {
         TargetImpl(
             "mla_moe",
             "our MLA+MoE model (DeepSeek-V3 / Kimi-K2 configs)",
-            "ddtree.models.mla_moe:MlaMoeTarget",
+            "ddtree.models.adapters.mla_moe:MlaMoeTarget",
             mla_moe.SUPPORTED_MODEL_TYPES,
             mla_moe.ARCHITECTURES,
             parallel=True,
@@ -73,14 +74,14 @@ TARGET_IMPLS: dict[str, TargetImpl] = {
         TargetImpl(
             "decoder",
             "our Qwen3 / Qwen3-MoE / Llama decoder",
-            "ddtree.models.decoder:DecoderTarget",
+            "ddtree.models.adapters.decoder:DecoderTarget",
             tuple(decoder.FAMILIES),
             tuple(decoder.ARCHITECTURES.values()),
         ),
         TargetImpl(
             "hf",
             "the transformers wrapper (any causal LM transformers knows; eager only)",
-            "ddtree.models.hf:HFTarget",
+            "ddtree.models.adapters.hf:HFTarget",
         ),
     )
 }
@@ -130,12 +131,12 @@ def choose_target_impl(config: dict, source: str, impl: str = "auto") -> TargetI
 def target_engine_modes(path: str | Path, impl: str = "auto", tp: int = 1) -> tuple[str, ...]:
     """The engine modes the target at ``path`` will run in, from its config.json alone (no
     weights read): its implementation's, eager only when split over processes."""
-    from ddtree.models.checkpoint import read_config
+    from ddtree.models.loading.checkpoint import read_config
 
     path = Path(path)
     chosen = choose_target_impl(read_config(path), str(path / "config.json"), impl)
     if tp > 1:
-        from ddtree.models.parallel import ParallelTarget
+        from ddtree.models.adapters.parallel import ParallelTarget
 
         return ParallelTarget.engine_modes
     return chosen.engine_modes
@@ -146,7 +147,7 @@ def check_checkpoint(path: Path, config: dict) -> None:
     implementation loads it: ``layer_types`` agreeing with ``num_hidden_layers``, no integer
     weights without a ``quantization_config`` (tensor names and shapes each loader checks
     against the model its config builds)."""
-    from ddtree.models.checkpoint import check_float_weights, check_layer_types
+    from ddtree.models.loading.checkpoint import check_float_weights, check_layer_types
 
     check_layer_types(config, str(path / "config.json"))
     check_float_weights(path, config)
@@ -164,11 +165,11 @@ def load_target(
     """Load a target checkpoint directory (config.json + safetensors) as a ``Target``.
 
     ``tp`` > 1 splits our MLA+MoE target over that many processes (``ep``: routed experts in
-    that many groups), see ``ddtree.models.parallel.load_parallel_target``. ``kwargs`` go to
+    that many groups), see ``ddtree.models.adapters.parallel.load_parallel_target``. ``kwargs`` go to
     the implementation's loader (e.g. ``attn_impl`` for ``mla_moe``, ``attn_implementation``
     for ``hf``).
     """
-    from ddtree.models.checkpoint import read_config
+    from ddtree.models.loading.checkpoint import read_config
 
     path = Path(path)
     config = read_config(path)
@@ -182,12 +183,12 @@ def load_target(
                 f"target only (DeepSeek-V3 / Kimi-K2 configs); model_type="
                 f"{config.get('model_type')!r} ({chosen.name}) runs on one process (tp=1)"
             )
-        from ddtree.models.parallel import load_parallel_target
+        from ddtree.models.adapters.parallel import load_parallel_target
 
         return load_parallel_target(path, tp, ep, dtype=dtype, device=device, **kwargs)
     target = chosen.load().from_pretrained(path, dtype=dtype, device=device, **kwargs)
-    from ddtree.models.linear import prepare_linears
-    from ddtree.models.target import CachedTarget
+    from ddtree.models.adapters.target import CachedTarget
+    from ddtree.models.nn.linear import prepare_linears
 
     if isinstance(target, CachedTarget):  # ours (the transformers wrapper stays as it is)
         prepare_linears(target)
@@ -204,9 +205,9 @@ def load_drafter(
     """Load a DFlash drafter directory for ``target`` (it shares the target's embedding and
     LM head). ``dtype``/``device`` None: the target's. ``draft_vocab`` K: propose over the K
     most frequent tokens of the folder's ``draft_vocab.json`` counts and the target's
-    EOS tokens (``ddtree.models.draft_vocab``; None, or K >= V: the full vocabulary)."""
-    from ddtree.models.checkpoint import read_config
-    from ddtree.models.draft_vocab import draft_vocab_ids, load_token_counts
+    EOS tokens (``ddtree.models.adapters.draft_vocab``; None, or K >= V: the full vocabulary)."""
+    from ddtree.models.adapters.draft_vocab import draft_vocab_ids, load_token_counts
+    from ddtree.models.loading.checkpoint import read_config
 
     path = Path(path)
     config = read_config(path)
@@ -216,7 +217,7 @@ def load_drafter(
     ids = draft_vocab_ids(  # before the weights: a missing counts file fails fast
         draft_vocab, vocab, lambda: load_token_counts(path, vocab), target.info.eos_token_ids
     )
-    from ddtree.models.dflash import DFlashDrafter
+    from ddtree.models.adapters.dflash import DFlashDrafter
 
     drafter = DFlashDrafter.from_pretrained(path, target, dtype=dtype, device=device)
     if ids is not None:

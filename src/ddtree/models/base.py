@@ -45,12 +45,12 @@ class ModelInfo:
     tp: int = 1  # ranks the model is split over (tensor parallel)
     ep: int = 1  # groups its routed experts are split into (expert parallel)
     # how the checkpoint stored its weights ("": floats), e.g. "fp8 e4m3 weights, 128x128
-    # block scales"; they run dequantized into ``dtype`` (ddtree.models.quant)
+    # block scales"; they run dequantized into ``dtype`` (ddtree.models.loading.quant)
     quantization: str = ""
-    # the kernel of its linear layers (ddtree.models.linear): "aten" or "onednn-packed"
+    # the kernel of its linear layers (ddtree.models.nn.linear): "aten" or "onednn-packed"
     linear_kernel: str = "aten"
     # a drafter's draft vocabulary: the K rows of the LM head its proposes compute
-    # (ddtree.models.draft_vocab); 0: the full vocabulary
+    # (ddtree.models.adapters.draft_vocab); 0: the full vocabulary
     draft_vocab: int = 0
 
 
@@ -109,7 +109,7 @@ class Drafter(Protocol):
     target_layer_ids: list[int]  # which target hidden states it conditions on (HF indexing)
     # the draft vocabulary: [K] int64 vocabulary ids, ascending, column j of propose's logits
     # standing for id draft_tokens[j]; None (or absent, for drafters written before it): the
-    # full vocabulary, column = id (ddtree.models.draft_vocab)
+    # full vocabulary, column = id (ddtree.models.adapters.draft_vocab)
     draft_tokens: torch.Tensor | None
 
     def reset(self) -> None:

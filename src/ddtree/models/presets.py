@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from ddtree.models.linear import prepare_linears
+from ddtree.models.loading.memory import available_bytes
+from ddtree.models.nn.linear import prepare_linears
 
 PRESET_DIR = Path(str(files("ddtree") / "assets" / "presets"))
 INIT_STD = 0.02  # N(0, 0.02) as transformers' initializer_range; norms 1
@@ -92,8 +93,8 @@ def _meta_params(build: Callable[[], torch.nn.Module]) -> int:
 
 def memory_plan(preset: Preset, dtype: torch.dtype, max_len: int, max_width: int) -> MemoryPlan:
     """What a run of ``max_len`` positions with verify widths up to ``max_width`` allocates."""
-    from ddtree.models.decoder import DecoderModel
-    from ddtree.models.dflash import DFlashConfig, DFlashModel
+    from ddtree.models.nn.decoder import DecoderModel
+    from ddtree.models.nn.dflash import DFlashConfig, DFlashModel
 
     target = random_target_config(preset)
     drafter = DFlashConfig.from_dict(preset.drafter, source=f"preset {preset.name} drafter")
@@ -110,18 +111,10 @@ def memory_plan(preset: Preset, dtype: torch.dtype, max_len: int, max_width: int
     )
 
 
-def available_bytes(device: torch.device) -> int:
-    """Memory this process can still allocate on ``device`` (CPU: MemAvailable)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise PresetError("cannot tell the memory available: no MemAvailable in /proc/meminfo")
-
-
 def check_fits(plan: MemoryPlan, device: torch.device, what: str) -> None:
     have = available_bytes(device)
+    if have is None:
+        raise PresetError("cannot tell the memory available: no MemAvailable in /proc/meminfo")
     if plan.total_bytes > have:
         raise PresetError(
             f"{what} needs {plan.describe()}; {device} has {have / 1e9:.2f} GB available: "
@@ -157,7 +150,7 @@ def make_peaked(model, seed: int) -> None:
 
 def random_target_config(preset: Preset):
     """The decoder config of the preset's random target: the published shape, untied."""
-    from ddtree.models.decoder import DecoderConfig
+    from ddtree.models.nn.decoder import DecoderConfig
 
     untied = {**preset.target, "tie_word_embeddings": False}
     return DecoderConfig.from_hf(untied, source=f"preset {preset.name}")
@@ -166,7 +159,8 @@ def random_target_config(preset: Preset):
 def random_target(preset: Preset, dtype, device, capacity: int, seed: int = 0, progress=None):
     """The preset's target as our decoder with random weights that decode deterministically
     (module docstring; ``progress`` as :func:`randomize`)."""
-    from ddtree.models.decoder import DecoderModel, DecoderTarget
+    from ddtree.models.adapters.decoder import DecoderTarget
+    from ddtree.models.nn.decoder import DecoderModel
 
     config = random_target_config(preset)
     with torch.device("meta"):
@@ -184,18 +178,19 @@ def random_drafter(
     preset: Preset, target, seed: int = 1, progress=None, draft_vocab: int | None = None
 ):
     """The preset's DFlash drafter, random weights, on ``target``'s embedding and LM head.
-    ``draft_vocab`` K: its proposes compute K rows of the head (``ddtree.models.draft_vocab``);
+    ``draft_vocab`` K: its proposes compute K rows of the head (``ddtree.models.adapters.draft_vocab``);
     a random target has no corpus, so every count is equal and the K are its EOS tokens and
     the smallest ids: the head's cost is real, which tokens it keeps is arbitrary."""
-    from ddtree.models.draft_vocab import draft_vocab_ids
+    from ddtree.models.adapters.draft_vocab import draft_vocab_ids
 
     vocab = target.info.vocab_size
     zeros = lambda: torch.zeros(vocab, dtype=torch.int64)  # noqa: E731
     # a shrunk preset (tiny-qwen3) keeps its family's EOS ids past its small vocabulary
     eos = [t for t in target.info.eos_token_ids if t < vocab]
     ids = draft_vocab_ids(draft_vocab, vocab, zeros, eos)
-    from ddtree.models.compat import check_drafter_compat
-    from ddtree.models.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+    from ddtree.models.adapters.dflash import DFlashDrafter
+    from ddtree.models.loading.compat import check_drafter_compat
+    from ddtree.models.nn.dflash import DFlashConfig, DFlashModel
 
     check_drafter_compat(preset.drafter, target.info, f"preset {preset.name} drafter")
     config = DFlashConfig.from_dict(preset.drafter, source=f"preset {preset.name} drafter")

@@ -16,7 +16,7 @@
   - KV caches are preallocated buffers written in place inside the graph (``index_copy_`` at
     the new rows' slots); the attention mask is built inside the graph from the prefix length,
     the key positions and the ``[Mb, Mb]`` tree visibility (never a per-step ``[M, S+M]``
-    tensor); MoE dispatch has a fixed shape (``ddtree.models.mla_moe.Experts``).
+    tensor); MoE dispatch has a fixed shape (``ddtree.models.nn.mla_moe.Experts``).
 
 A compiled graph guards on the dispatch keys of its inputs, and a tensor made under
 ``torch.inference_mode`` has other keys than one made outside it: the buffers a graph reads

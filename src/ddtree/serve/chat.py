@@ -30,8 +30,12 @@ class ChatTemplate:
         ``prompt_ids`` then says so, so a server can still serve plain completions)."""
         from transformers import AutoTokenizer
 
-        from ddtree.models.checkpoint import CONFIG_NAME, read_config, refuse_custom_code
-        from ddtree.models.tokenizer import TOKENIZER_NAME, check_tokenizer_config, load_tokenizer
+        from ddtree.models.loading.checkpoint import CONFIG_NAME, read_config, refuse_custom_code
+        from ddtree.models.loading.tokenizer import (
+            TOKENIZER_NAME,
+            check_tokenizer_config,
+            load_tokenizer,
+        )
 
         # the files transformers reads, checked first: one line naming a broken one, and
         # custom tokenizer code (auto_map) refused rather than run

@@ -69,8 +69,8 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 def load_frozen_target(target_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    from ddtree.models.checkpoint import CONFIG_NAME, read_config, refuse_custom_code
-    from ddtree.models.hf import quiet_transformers
+    from ddtree.models.adapters.hf import quiet_transformers
+    from ddtree.models.loading.checkpoint import CONFIG_NAME, read_config, refuse_custom_code
 
     refuse_custom_code(Path(target_dir) / CONFIG_NAME, read_config(target_dir))
     with quiet_transformers():  # no progress bar: a refused resume after it is one line
@@ -93,7 +93,7 @@ def target_hidden(model, sequences: torch.Tensor, layer_ids, batch: int = 32) ->
 
 
 def drafter_config(shape: DrafterShape, target_config, mask_id: int):
-    from ddtree.models.dflash import DFlashConfig
+    from ddtree.models.nn.dflash import DFlashConfig
 
     return DFlashConfig(
         hidden_size=target_config.hidden_size,
@@ -148,7 +148,7 @@ def check_drafter_inputs(cfg: DrafterTrainConfig, shape: DrafterShape, target_di
     """What would fail after minutes of regenerating sequences, refused before any work: too
     few new tokens for a block anchored in the generated part, a target with fewer decoder
     layers than the drafter reads, sequences longer than the target's positions."""
-    from ddtree.models.checkpoint import CONFIG_NAME, read_config
+    from ddtree.models.loading.checkpoint import CONFIG_NAME, read_config
 
     need = shape.block_size - 1  # anchors a in [prompt_len - 1, seq_len - block_size]
     if cfg.new_tokens < need:
@@ -182,7 +182,7 @@ def train_drafter(
     show_progress: bool = True,
     stop_at: int | None = None,
 ) -> DrafterTrainResult:
-    from ddtree.models.dflash import DFlashModel
+    from ddtree.models.nn.dflash import DFlashModel
 
     target_dir, out = Path(target_dir), Path(out)
     if resume:  # a broken checkpoint is refused before anything is read or written
@@ -248,7 +248,7 @@ def train_drafter(
         return DrafterTrainResult(
             out, state.step, state.losses, state.elapsed_s, n_params, math.nan
         )
-    from ddtree.models.draft_vocab import token_counts
+    from ddtree.models.adapters.draft_vocab import token_counts
 
     counts = token_counts([stream], target.config.vocab_size)
     where = json.dumps(corpus_fingerprint(split), sort_keys=True)
@@ -270,8 +270,8 @@ def export_drafter(model, target, out: Path, counts: tuple | None = None) -> Non
     (token counts [V] int64, what they count) ``draft_vocab.safetensors`` (``--draft-vocab``)."""
     import copy
 
-    from ddtree.models.dflash import DFlashDrafter
-    from ddtree.models.draft_vocab import save_token_counts
+    from ddtree.models.adapters.dflash import DFlashDrafter
+    from ddtree.models.adapters.draft_vocab import save_token_counts
 
     export = copy.deepcopy(model).to(EXPORT_DTYPE)
     drafter = DFlashDrafter(export, target.get_input_embeddings(), target.get_output_embeddings())
@@ -285,7 +285,7 @@ def export_drafter(model, target, out: Path, counts: tuple | None = None) -> Non
 def evaluate_drafter(target_dir, drafter_dir, cfg: DrafterTrainConfig, split, tok, eos_id) -> float:
     """Mean greedy tau of the exported pair on held-out prompts (our MLA+MoE target)."""
     from ddtree.models import load_drafter
-    from ddtree.models.mla_moe import MlaMoeTarget
+    from ddtree.models.adapters.mla_moe import MlaMoeTarget
     from ddtree.train.eval import greedy_acceptance
 
     target = MlaMoeTarget.from_pretrained(target_dir)

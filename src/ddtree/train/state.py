@@ -93,10 +93,10 @@ def check_checkpoint(out: Path) -> dict:
     """``<out>/checkpoint`` checked before a resume does anything (reads the corpus, trains
     a tokenizer, writes): ``state.json`` a JSON object with its fields, both tensor files
     readable safetensors (headers only). Returns state.json's dict; a
-    :class:`~ddtree.models.checkpoint.CheckpointError` names the file otherwise."""
+    :class:`~ddtree.models.loading.checkpoint.CheckpointError` names the file otherwise."""
     from safetensors import SafetensorError, safe_open
 
-    from ddtree.models.checkpoint import CheckpointError
+    from ddtree.models.loading.checkpoint import CheckpointError
 
     ckpt = Path(out) / CHECKPOINT_DIR
     meta_file = ckpt / "state.json"
@@ -133,7 +133,7 @@ def load_checkpoint(
 ) -> TrainState:
     """Restore ``model`` and ``opt`` from ``<out>/checkpoint``; the run's config must match,
     and every tensor the model's (names and shapes, the AdamW moments' too)."""
-    from ddtree.models.checkpoint import CheckpointError, match_state_dict
+    from ddtree.models.loading.checkpoint import CheckpointError, match_state_dict
 
     ckpt = Path(out) / CHECKPOINT_DIR
     meta_file = ckpt / "state.json"

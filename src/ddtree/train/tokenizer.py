@@ -52,8 +52,8 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
 
 def load_tokenizer(path: Path) -> Tokenizer:
     """``tokenizer.json`` of folder ``path``, checked as every loader checks it
-    (``ddtree.models.tokenizer``: one error naming the file)."""
-    from ddtree.models.tokenizer import load_tokenizer as load_checked
+    (``ddtree.models.loading.tokenizer``: one error naming the file)."""
+    from ddtree.models.loading.tokenizer import load_tokenizer as load_checked
 
     return load_checked(path)
 

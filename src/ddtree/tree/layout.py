@@ -14,7 +14,7 @@ from ddtree.tree.types import DraftTree, TreeBackend
 @dataclass
 class VerifyLayout:
     """What a forward that takes a dense additive mask needs (the transformers wrapper; our
-    own targets attend without one, ``ddtree.models.attention``)."""
+    own targets attend without one, ``ddtree.models.nn.attention``)."""
 
     position_ids: torch.Tensor  # [M] int64, start + depth
     attn_mask: torch.Tensor  # [1, 1, M, start + M] additive float: 0 visible, finfo.min hidden

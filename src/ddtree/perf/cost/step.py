@@ -917,7 +917,7 @@ def collectives_per_forward(model: ModelShape, deployment: Deployment) -> Collec
     """Tensor-parallel attention: an all-reduce after each attention and each MLP/MoE
     sublayer (2 x L; expert-parallel experts are combined by the MoE's). Data-parallel
     attention: a dispatch and a combine all-to-all per MoE layer (2 x L_moe), no all-reduce.
-    The parallel runtime (``ddtree.models.parallel``) is tested to issue exactly these."""
+    The parallel runtime (``ddtree.models.adapters.parallel``) is tested to issue exactly these."""
     if deployment.dp_attention:
         return Collectives(all_reduce=0, all_to_all=2 * model.num_moe_layers)
     return Collectives(all_reduce=2 * model.num_layers, all_to_all=0)
@@ -1007,7 +1007,7 @@ def ep_alltoall(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Com
 
 CONTROL_BROADCASTS_PER_CALL = 2
 """Broadcasts from rank 0 per Target call (verify, commit) in a tensor-parallel group: a
-header, then the call's payload (``ddtree.models.parallel.Channel``; tested)."""
+header, then the call's payload (``ddtree.models.adapters.parallel.Channel``; tested)."""
 
 
 def _control(pt: Point, params: dict, stage: Stage, name: str) -> Component | None:

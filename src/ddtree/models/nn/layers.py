@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.errors import NonFiniteLogitsError
-from ddtree.models.checkpoint import CheckpointError
+from ddtree.models.loading.checkpoint import CheckpointError
 
 
 class ConfigError(ValueError):

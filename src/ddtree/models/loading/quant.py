@@ -39,7 +39,7 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
-from ddtree.models.checkpoint import CheckpointError, CheckpointSlices, load_safetensors
+from ddtree.models.loading.checkpoint import CheckpointError, CheckpointSlices, load_safetensors
 
 WEIGHT = "weight"  # the logical tensor X.weight a quantized group replaces
 PACK_WORD_BITS = 32  # pack-quantized stores its values in int32 words

@@ -1,7 +1,7 @@
 """A checkpoint's tokenizer files, checked when they load: ``tokenizer.json`` (the
 ``tokenizers`` library's JSON, at most as many ids as the model's vocabulary) and
 ``tokenizer_config.json`` (a JSON object whose known fields have their types). Every error is
-a :class:`~ddtree.models.checkpoint.CheckpointError` naming the file and what was expected.
+a :class:`~ddtree.models.loading.checkpoint.CheckpointError` naming the file and what was expected.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ddtree.models.checkpoint import (
+from ddtree.models.loading.checkpoint import (
     CONFIG_NAME,
     CheckpointError,
     read_json_file,

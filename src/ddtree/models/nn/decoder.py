@@ -16,21 +16,21 @@ parameter names and gives the same logits:
 
 The KV cache holds, per layer, keys and values ``[kv_heads, capacity, head_dim]`` (one
 tensor each, heads first so attention reads each head's keys contiguously), preallocated and
-grown geometrically; attention is ``ddtree.models.attention.grouped_attention`` (no dense mask).
+grown geometrically; attention is ``ddtree.models.nn.attention.grouped_attention`` (no dense mask).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.models.attention import AttentionInputs, grouped_attention
 from ddtree.models.base import ModelInfo
-from ddtree.models.layers import (
+from ddtree.models.nn.attention import AttentionInputs, grouped_attention
+from ddtree.models.nn.causal_lm import CausalLM
+from ddtree.models.nn.layers import (
     ConfigError,
     Experts,
     GatedMLP,
@@ -40,7 +40,6 @@ from ddtree.models.layers import (
     Rotary,
     fuse_experts,
 )
-from ddtree.models.target import CachedTarget, CausalLM
 
 
 @dataclass(frozen=True)
@@ -389,46 +388,3 @@ def model_info(config: DecoderConfig, model: nn.Module, name: str, dtype: torch.
         max_position=config.max_position_embeddings,
         eos_token_ids=config.eos_token_ids,
     )
-
-
-class DecoderTarget(CachedTarget):
-    """The ``Target`` protocol over :class:`DecoderModel` with a static KV cache."""
-
-    def __init__(
-        self,
-        model: DecoderModel,
-        name: str = "decoder",
-        capacity: int = 256,
-        check_finite: bool = True,
-    ) -> None:
-        param = next(model.parameters())
-        capacity = min(capacity, model.config.max_position_embeddings)
-        cache = KVCache(model.config, capacity, param.dtype, param.device)
-        info = model_info(model.config, model, name, param.dtype)
-        super().__init__(model, cache, info, check_finite=check_finite)
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        capacity: int = 4096,
-        check_finite: bool = True,
-    ) -> DecoderTarget:
-        from ddtree.models.checkpoint import (
-            load_safetensors,
-            match_state_dict,
-            read_config,
-            weight_files,
-        )
-
-        path = Path(path)
-        source = str(path / "config.json")
-        raw = read_config(path)
-        weight_files(path)  # refuses pickles, names missing shards, before any parsing
-        config = DecoderConfig.from_hf(raw, source=source)
-        tensors = fuse_checkpoint_experts(load_safetensors(path), config, str(path))
-        match_state_dict(expected_shapes(config), tensors, str(path))
-        model = build_model(config, tensors, dtype, device)
-        return cls(model, name=path.name, capacity=capacity, check_finite=check_finite)

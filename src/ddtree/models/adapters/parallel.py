@@ -53,18 +53,18 @@ from ddtree.distributed import (
     start_group,
 )
 from ddtree.errors import DistributedError, NonFiniteLogitsError
+from ddtree.models.adapters.mla_moe import MlaMoeTarget
 from ddtree.models.base import TargetOutput
-from ddtree.models.checkpoint import CheckpointSlices, match_state_dict, read_config
-from ddtree.models.mla_moe import (
+from ddtree.models.loading.checkpoint import CheckpointSlices, match_state_dict, read_config
+from ddtree.models.loading.quant import dequantized
+from ddtree.models.nn.mla_moe import (
     MlaMoeConfig,
     MlaMoeModel,
-    MlaMoeTarget,
     ModelShard,
-    _fuse_per_expert,
     build_model,
     expected_shapes,
+    fuse_per_expert,
 )
-from ddtree.models.quant import dequantized
 from ddtree.models.static import EnginePlan
 from ddtree.tree.layout import pack_bits
 from ddtree.tree.types import DraftTree
@@ -222,13 +222,13 @@ def read_shard(
 
     The whole checkpoint's names and shapes are checked first from the file headers, with the
     same errors as a single-process load. Quantized weights are read as the blocks, words and
-    groups covering this rank's slices, dequantized into ``dtype`` (``ddtree.models.quant``)."""
+    groups covering this rank's slices, dequantized into ``dtype`` (``ddtree.models.loading.quant``)."""
     path = Path(path)
     rules = _split_rules(config)
     with CheckpointSlices(path) as stored:
         ckpt = dequantized(stored, config.quantization, dtype)
         header = {n: torch.empty(s, device="meta") for n, s in ckpt.shapes().items()}
-        fused = _fuse_per_expert(header, config)  # meta tensors: names and shapes only
+        fused = fuse_per_expert(header, config)  # meta tensors: names and shapes only
         match_state_dict(expected_shapes(config, attn_impl), fused, str(path))
         per_expert = len(fused) != len(header)
         out = {}

@@ -131,7 +131,7 @@ def head_rows(lm_head: nn.Module, ids: torch.Tensor) -> nn.Module:
     """A head computing rows ``ids`` [K] of ``lm_head``'s output only: ``x [..., H] -> [..., K]``,
     column j being vocabulary id ``ids[j]``. A copy of K weight rows (K x H more memory), in
     the kernel the head runs with (``nn.Linear``, or ``PackedLinear`` packed again)."""
-    from ddtree.models.linear import PackedLinear
+    from ddtree.models.nn.linear import PackedLinear
 
     packed = isinstance(lm_head, PackedLinear)
     if packed:

@@ -19,8 +19,8 @@ row ``[kv_lora_rank + rope_dim]`` (preallocated, grown geometrically). Attention
 ``naive`` (materialise per-head K/V from the latent) or ``absorbed`` (fold ``W_UK`` into the
 query and ``W_UV`` after the attention: one query head group against the latent rows, which
 serve as both keys and values). Both attend without a dense mask
-(``ddtree.models.attention``); the engine modes and the ``Target`` protocol come from the
-shared adapter ``ddtree.models.target.CachedTarget``.
+(``ddtree.models.nn.attention``). ``ddtree.models.adapters.mla_moe.MlaMoeTarget`` adapts the
+model to the ``Target`` protocol (its engine modes from the shared ``CachedTarget``).
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.models.attention import AttentionInputs, grouped_attention
-from ddtree.models.base import ModelInfo
-from ddtree.models.layers import (
+from ddtree.models.loading.quant import QuantScheme, scheme_from_config
+from ddtree.models.nn.attention import AttentionInputs, grouped_attention
+from ddtree.models.nn.causal_lm import CausalLM
+from ddtree.models.nn.layers import (
     ConfigError,
     Experts,
     GatedMLP,
@@ -47,8 +47,6 @@ from ddtree.models.layers import (
     fuse_experts,
     yarn_mscale,
 )
-from ddtree.models.quant import QuantScheme, load_weights, scheme_from_config
-from ddtree.models.target import CachedTarget, CausalLM
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # config.json model_type values
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -88,7 +86,9 @@ class MlaMoeConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = ARCHITECTURES[0]
-    quantization: QuantScheme | None = None  # of the checkpoint's weights (ddtree.models.quant)
+    quantization: QuantScheme | None = (
+        None  # of the checkpoint's weights (ddtree.models.loading.quant)
+    )
     num_nextn_predict_layers: int = 0  # multi-token-prediction layers stored after the others
     # derived in __post_init__
     qk_head_dim: int = 0
@@ -478,57 +478,6 @@ class MlaMoeModel(CausalLM):
                 self.lm_head.weight = self.model.embed_tokens.weight
 
 
-class MlaMoeTarget(CachedTarget):
-    """The ``Target`` protocol over :class:`MlaMoeModel` with a latent KV cache (batch of 1)."""
-
-    plain_linears = ("kv_b_proj",)  # absorbed attention reads its weight as W_UK and W_UV
-
-    def __init__(
-        self,
-        model: MlaMoeModel,
-        name: str = "mla_moe",
-        capacity: int = 256,
-        check_finite: bool = True,
-    ) -> None:
-        c = model.config
-        param = next(model.parameters())
-        capacity = min(capacity, c.max_position_embeddings)
-        cache = LatentCache(c, capacity, param.dtype, param.device)
-        info = ModelInfo(
-            name=name,
-            architecture=c.architecture,
-            implementation="mla_moe",
-            n_params=sum(p.numel() for p in model.parameters()),
-            num_layers=c.num_hidden_layers,
-            hidden_size=c.hidden_size,
-            vocab_size=c.vocab_size,
-            dtype=str(param.dtype).removeprefix("torch."),
-            max_position=c.max_position_embeddings,
-            eos_token_ids=c.eos_token_ids,
-            quantization=c.quantization.description if c.quantization else "",
-        )
-        super().__init__(model, cache, info, check_finite=check_finite)
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        attn_impl: str = "absorbed",
-        capacity: int = 4096,
-        check_finite: bool = True,
-    ) -> MlaMoeTarget:
-        from ddtree.models.checkpoint import match_state_dict, read_config
-
-        path = Path(path)
-        config = MlaMoeConfig.from_hf(read_config(path), source=str(path / "config.json"))
-        tensors = _fuse_per_expert(load_weights(path, config.quantization, dtype), config)
-        match_state_dict(expected_shapes(config, attn_impl), tensors, str(path))
-        model = build_model(config, attn_impl, tensors, dtype, device)
-        return cls(model, name=path.name, capacity=capacity, check_finite=check_finite)
-
-
 def expected_shapes(
     config: MlaMoeConfig, attn_impl: str = "absorbed", shard: ModelShard | None = None
 ) -> dict[str, tuple[int, ...]]:
@@ -565,7 +514,7 @@ def build_model(
     return model
 
 
-def _fuse_per_expert(tensors: dict[str, torch.Tensor], config: MlaMoeConfig) -> dict:
+def fuse_per_expert(tensors: dict[str, torch.Tensor], config: MlaMoeConfig) -> dict:
     """Published DeepSeek/Kimi checkpoints store experts one by one
     (``mlp.experts.{e}.{gate,up,down}_proj.weight``); stack them into the fused layout.
     The ``num_nextn_predict_layers`` multi-token-prediction layers stored after the decoder

@@ -11,7 +11,7 @@ shapes (``M`` padded to a width bucket, ``P`` rounded down to a multiple of ``ch
 A model (:class:`CausalLM`) is ``forward(input_ids [M], position_ids [M], attn, caches,
 capture_layers) -> TargetOutput``: it writes its M new rows' cache entries at
 ``attn.write_slots`` (provisionally: the adapter owns the committed length) and attends as
-:mod:`ddtree.models.attention` describes. A cache is a few preallocated tensors grown
+:mod:`ddtree.models.nn.attention` describes. A cache is a few preallocated tensors grown
 geometrically (``ensure``), compacted after acceptance (``compact``).
 """
 
@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
-from ddtree.models.attention import AttentionInputs
 from ddtree.models.base import ModelInfo, TargetOutput
-from ddtree.models.layers import (
+from ddtree.models.nn.attention import AttentionInputs
+from ddtree.models.nn.causal_lm import CausalLM, ModelCache
+from ddtree.models.nn.layers import (
     check_capture_layers,
     check_commit,
     check_positions,
@@ -46,61 +46,6 @@ from ddtree.models.static import (
 )
 from ddtree.tree.layout import compaction_indices
 from ddtree.tree.types import DraftTree
-
-
-class ModelCache(Protocol):
-    """Preallocated per-layer cache tensors of one request."""
-
-    length: int  # committed rows
-    capacity_dim: int  # the dimension that grows
-
-    def tensors(self) -> tuple[torch.Tensor, ...]: ...
-    def ensure(self, needed: int) -> None: ...
-    def compact(self, src: torch.Tensor, dst: torch.Tensor, new_len: int) -> None: ...
-
-
-class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm, LM head (``model.embed_tokens``,
-    ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``: transformers' names).
-    A layer is ``layer(x [M, H], rope, attn, layer_caches) -> [M, H]``, given what
-    :meth:`layer_caches` picks from the cache tensors for it. ``lm_head`` None (a
-    tensor-parallel rank without the head): [M, 0] logits."""
-
-    model: nn.Module
-    lm_head: nn.Module | None
-
-    def layer_caches(self, caches: tuple[torch.Tensor, ...], layer: int) -> tuple:
-        """The cache tensors decoder layer ``layer`` reads and writes (default: all of them)."""
-        return caches
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [M] int64
-        position_ids: torch.Tensor,  # [M] int64
-        attn: AttentionInputs,
-        caches: tuple[torch.Tensor, ...],
-        capture_layers: tuple[int, ...] = (),
-        layers=None,  # the decoder layers to call (default ``model.layers``; compiled copies)
-    ) -> TargetOutput:
-        m = input_ids.shape[0]
-        assert input_ids.dim() == 1 and position_ids.shape == (m,), (
-            input_ids.shape,
-            position_ids.shape,
-        )
-        x = self.model.embed_tokens(input_ids)  # [M, H]
-        rope = self.model.rotary_emb.tables(position_ids, x.dtype)
-        captured = {0: x} if 0 in capture_layers else {}
-        for i, layer in enumerate(self.model.layers if layers is None else layers):
-            x = layer(x, rope, attn, self.layer_caches(caches, i))
-            if i + 1 in capture_layers:
-                captured[i + 1] = x
-        x = self.model.norm(x)
-        n = len(self.model.layers)
-        if n in capture_layers:  # transformers' last hidden_states entry is after the final norm
-            captured[n] = x
-        logits = self.lm_head(x) if self.lm_head is not None else x[:, :0]
-        hidden = torch.cat([captured[i] for i in capture_layers], -1) if capture_layers else None
-        return TargetOutput(logits=logits, hidden=hidden)
 
 
 def forward_tree(
@@ -255,7 +200,7 @@ class CachedTarget:
     @torch.inference_mode(False)  # buffers a compiled graph reads: see static.py
     def new_cache(self, capacity: int) -> ModelCache:
         """An empty cache of this model with ``capacity`` slots, beside its own (the batched
-        engine's: one region of slots per request, ``ddtree.models.rows``)."""
+        engine's: one region of slots per request, ``ddtree.models.adapters.rows``)."""
         return type(self.cache)(self.model.config, capacity, self.dtype, self.device)
 
     # --- internals ------------------------------------------------------------------------

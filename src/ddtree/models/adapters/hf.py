@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from ddtree.models.base import ModelInfo, NonFiniteLogitsError, TargetOutput  # noqa: F401 (its error)
-from ddtree.models.layers import (
+from ddtree.models.nn.layers import (
     check_capture_layers,
     check_commit,
     check_positions,
@@ -68,7 +68,7 @@ def check_loading_info(info: dict, source: str) -> None:
     """transformers' ``output_loading_info`` of a load: tensors missing from the checkpoint
     (it would initialise them randomly), unexpected ones (it would drop them) and shape
     mismatches (it would re-initialise them) are a :class:`CheckpointError` naming them."""
-    from ddtree.models.checkpoint import CheckpointError, _names
+    from ddtree.models.loading.checkpoint import CheckpointError, _names
 
     problems = []
     if info.get("missing_keys"):
@@ -162,7 +162,7 @@ class HFTarget:
         """Load a checkpoint directory (config.json + safetensors; pickles are refused)."""
         from transformers import AutoModelForCausalLM
 
-        from ddtree.models.checkpoint import (
+        from ddtree.models.loading.checkpoint import (
             CONFIG_NAME,
             CheckpointError,
             read_config,

@@ -25,9 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.models.attention import AttentionInputs
+from ddtree.models.adapters.target import CachedTarget
 from ddtree.models.base import TargetOutput
-from ddtree.models.layers import check_commit, check_positions
+from ddtree.models.loading.memory import available_bytes
+from ddtree.models.nn.attention import AttentionInputs
+from ddtree.models.nn.causal_lm import CausalLM
+from ddtree.models.nn.layers import check_commit, check_positions
 from ddtree.models.static import (
     CompiledForward,
     EngineModeError,
@@ -36,7 +39,6 @@ from ddtree.models.static import (
     kv_bucket,
     mark_key_dim,
 )
-from ddtree.models.target import CachedTarget, CausalLM
 from ddtree.tree.layout import compaction_indices
 
 
@@ -175,15 +177,13 @@ def check_rows_fit(target: CachedTarget, max_rows: int, row_capacity: int) -> No
     """Refuse, before allocating, a batch whose cache does not fit the memory left on the
     target's device, naming its size: ``max_rows x row_capacity`` slots at the bytes one slot
     takes in every layer (the target's own cache tensors tell)."""
-    from ddtree.models.presets import available_bytes
-
     cache = target.cache
     slot_bytes = sum(
         t.numel() // t.shape[cache.capacity_dim] * t.element_size() for t in cache.tensors()
     )
     need = slot_bytes * max_rows * row_capacity
     have = available_bytes(target.device)
-    if need > have:
+    if have is not None and need > have:
         raise MemoryError(
             f"a batch of {max_rows} rows x {row_capacity} cache slots needs "
             f"{need / 1e9:.2f} GB of KV cache ({slot_bytes} bytes a slot); {target.device} has "

@@ -1,0 +1,71 @@
+"""What every benchmark command does with its result, in one place: progress while it measures,
+then ``--records`` (one record appended), and either one JSON line (``--json``) or its table.
+Interrupted (Ctrl-C, SIGTERM) with ``--records``, the points measured so far are appended as a
+record marked ``interrupted`` and named (``ddtree.signals.keep``) before the interrupt goes on."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+
+from ddtree.bench.result import BenchResult
+from ddtree.commands._output import console, note, progress
+
+
+def measure(
+    args: argparse.Namespace,
+    points: Iterable,
+    total: int | None,
+    label: Callable[[object], str],
+    result: Callable[[list], BenchResult],
+) -> BenchResult:
+    """``result`` of every point ``points`` yields (``label``: the progress line of each;
+    ``total`` None: no count known ahead)."""
+    from ddtree.signals import keep
+
+    done: list = []
+    try:
+        with progress("timing", total=total) as bar:
+            for point in points:
+                bar.advance(label(point))
+                done.append(point)
+    except KeyboardInterrupt:
+        if args.records and done:
+            partial = result(done)
+            append_record(args.records, partial, f"after {len(done)}{_of(total)} points")
+            keep(
+                args.records, f"a {partial.kind} record of the first {len(done)}{_of(total)} points"
+            )
+        raise
+    return result(done)
+
+
+def _of(total: int | None) -> str:
+    return "" if total is None else f" of {total}"
+
+
+def append_record(path, result: BenchResult, interrupted: str | None = None) -> None:
+    """``result`` as one record appended to ``path`` (``interrupted``: into its config)."""
+    from ddtree.provenance import this_hardware, this_process
+    from ddtree.records import make_record, write_records
+
+    config = result.config if interrupted is None else {**result.config, "interrupted": interrupted}
+    producer = this_process(f"ddtree {result.kind.replace('_', ' ')}")
+    record = make_record(
+        result.kind, this_hardware(), config, result.summary, result.rows, producer
+    )
+    write_records(path, [record])
+
+
+def report(args: argparse.Namespace, result: BenchResult, table: Callable[[], object]) -> int:
+    """The record (``--records``), then one JSON line (``--json``) or ``table()`` on stdout."""
+    import json
+
+    if args.records:
+        append_record(args.records, result)
+        note(f"wrote a {result.kind} record to {args.records}")
+    if args.json:
+        print(json.dumps(result.json_document()))
+    else:
+        console().print(table())
+    return 0

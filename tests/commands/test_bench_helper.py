@@ -1,0 +1,64 @@
+"""commands/_bench.py: a benchmark's result goes to --records, one --json line or its table,
+and an interrupt keeps the points measured so far as a record marked interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from ddtree import signals
+from ddtree.bench.attention import AttentionPoint, attention_result
+from ddtree.commands._bench import measure, report
+from ddtree.records import read_records
+
+CONFIG = {"device": "cpu", "dtype": "float32", "heads": 2, "kv_heads": 1, "head_dim": 4}
+
+
+def point(method: str, median_s: float, peak: int = 100) -> AttentionPoint:
+    return AttentionPoint(64, 8, method, median_s, median_s, median_s, peak, 0.0)
+
+
+def result(points):
+    return attention_result(CONFIG, [64], [8], points)
+
+
+def test_an_interrupt_keeps_the_points_measured_so_far(tmp_path):
+    path = tmp_path / "r.jsonl"
+    args = argparse.Namespace(records=path, json=False)
+
+    def points():
+        yield point("dense", 2e-3)
+        yield point("dense-math", 4e-3)
+        raise KeyboardInterrupt
+
+    signals._state.kept.clear()
+    with pytest.raises(KeyboardInterrupt):
+        measure(args, points(), 3, lambda p: p.method, result)
+    (record,) = read_records(path)
+    assert record.kind == "bench_attention"
+    assert record.config_extra["interrupted"] == "after 2 of 3 points"
+    assert [p["method"] for p in record.points] == ["dense", "dense-math"]
+    assert signals.kept() == {str(path): "a bench_attention record of the first 2 of 3 points"}
+
+
+def test_json_is_one_line_and_no_table(tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    args = argparse.Namespace(records=path, json=True)
+    points = [point("dense", 2e-3, 300), point("dense-math", 4e-3, 600), point("split", 1e-3)]
+    done = measure(args, iter(points), 3, lambda p: p.method, result)
+    assert done.summary == {
+        "S64_N8": {
+            "time_dense_over_split": 2.0,
+            "time_math_over_split": 4.0,
+            "memory_dense_over_split": 3.0,
+            "memory_math_over_split": 6.0,
+        }
+    }
+    assert report(args, done, lambda: pytest.fail("a table with --json")) == 0
+    out = capsys.readouterr()
+    (line,) = out.out.splitlines()
+    assert json.loads(line)["summary"] == done.summary
+    assert f"wrote a bench_attention record to {path}" in out.err
+    assert "interrupted" not in read_records(path)[0].config_extra
