@@ -361,13 +361,13 @@ class Pacer:
     decode step waits, plus the hand-offs of the lock between the two threads. A client that
     floods the server with requests it must refuse would otherwise slow every decode by as
     much as it costs. So, while the engine runs, a new request waits before its body is read
-    until the loop's CPU time over the current window is at most ``share`` of the window's
+    until the loop's CPU time over the current window is at most ``share`` (8%) of the window's
     wall time (each wait at most ``max_wait_s``; the window restarts every ``window_s``). With
     the engine idle nothing waits. The loop's own thread CPU time (``time.thread_time``) is the
     measure: whatever it spent, on whichever request, counts."""
 
     def __init__(
-        self, busy: Callable[[], bool], share: float = 0.15, window_s: float = 0.25,
+        self, busy: Callable[[], bool], share: float = 0.08, window_s: float = 0.25,
         max_wait_s: float = 0.05, wall=time.monotonic, cpu=time.thread_time,
     ) -> None:  # fmt: skip
         self.busy, self.share, self.window_s, self.max_wait_s = busy, share, window_s, max_wait_s
