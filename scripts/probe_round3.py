@@ -370,6 +370,8 @@ def _complete(url: str, body: dict, stream: bool) -> tuple:
             if r.status_code == 503:
                 time.sleep(0.1)
                 continue
+            if r.status_code != 200:  # the same error from every server
+                return r.status_code, json.loads(r.read())["error"]["message"]
             if not stream:
                 c = json.loads(r.read())["choices"][0]
                 return c["text"], c["finish_reason"]
@@ -470,6 +472,45 @@ def probe_queue_full(s: Server, label: str, batch: int, n: int) -> None:
         c.join(180)
     queued.join(60)
     check(cls, "the queued request then decodes", queued.status == 200, "200", queued.status)
+
+
+EDGE = {  # valid requests at the edges; the batched server must answer each as one-at-a-time
+    "max_tokens 1": {"prompt": "def f(", "max_tokens": 1},
+    "token-id prompt": {"prompt": [5, 17, 300, 9], "max_tokens": 10},
+    "prompt filling the context": {"prompt": [7] * 2028, "max_tokens": 12, "ignore_eos": True},
+    "top_k 1 sampled": {"prompt": "x = ", "max_tokens": 16, "temperature": 1.0, "top_k": 1,
+                        "seed": 3},
+    "top_p sampled": {"prompt": "import ", "max_tokens": 16, "temperature": 0.7, "top_p": 0.5,
+                      "seed": 9},
+    "stop at once": {"prompt": "def f(", "max_tokens": 16, "stop": ["a", "e", "(", ")", ]},
+    "ignore_eos long": {"prompt": "# end", "max_tokens": 200, "ignore_eos": True},
+    "unicode prompt": {"prompt": "d\u00e9f \u4e2d\u6587(", "max_tokens": 12},
+}  # fmt: skip
+
+
+def probe_batched_vs_single(tmp: Path) -> None:
+    cls = "batched = one-at-a-time"
+    with serving(tmp, "--max-batch", "1", name="edge1") as one:
+        alone = {
+            k: _complete(one.url, {"model": MODEL, **b}, stream=False) for k, b in EDGE.items()
+        }
+    with serving(tmp, "--max-batch", "4", "--max-queue", "16", name="edge4") as four:
+        got: dict = {}
+
+        def run(k, i):
+            try:
+                got[k] = _complete(four.url, {"model": MODEL, **EDGE[k]}, stream=i % 2 == 1)
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                got[k] = repr(e)
+
+        threads = [threading.Thread(target=run, args=(k, i)) for i, k in enumerate(EDGE)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for k in EDGE:
+            check(cls, k, got.get(k) == alone[k], repr(alone[k])[:200], got.get(k))
+        check(cls, "no traceback", "Traceback" not in four.text(), "none", four.text()[-600:])
 
 
 def is_json_error_5xx(r, status: int) -> bool:
@@ -773,6 +814,8 @@ def main() -> int:
         for batch in map(int, args.servers.split(",")):
             print(f"HTTP classes, serve --max-batch {batch} ...", flush=True)
             http_classes(tmp, batch, args.only)
+        if not args.only or "edge" in args.only:
+            probe_batched_vs_single(tmp)
         if not args.no_cli:
             print("CLI classes ...", flush=True)
             want = lambda c: not args.only or c in args.only  # noqa: E731
