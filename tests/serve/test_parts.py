@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tests.serve.helpers import chat_checkpoint
 
 from ddtree.commands._decode import DEMO_DIR, TextCodec
+from ddtree.serve.app import Pacer
 from ddtree.serve.chat import ChatTemplate, ChatTemplateError
 from ddtree.serve.server import bind, url_of
 from ddtree.serve.text import CompletionText
@@ -151,3 +152,46 @@ def test_secret_flag_values_are_redacted_from_the_command_line():
         "ddtree", "serve", "--api-key", "***", "--hf-token=***", "--max-new-tokens", "32",
         "--client-secret", "***", "--token", "***", "--prompt", "key",
     ]  # fmt: skip
+
+
+class Clocks:
+    wall = cpu = 0.0
+
+
+def _pacer(busy: list[bool]) -> tuple[Pacer, Clocks]:
+    c = Clocks()
+    pacer = Pacer(lambda: busy[0], share=0.1, window_s=0.25, max_wait_s=0.05,
+                  wall=lambda: c.wall, cpu=lambda: c.cpu)  # fmt: skip
+    return pacer, c
+
+
+def test_the_pacer_holds_requests_back_only_while_the_engine_runs():
+    busy = [False]
+    pacer, c = _pacer(busy)
+    c.cpu, c.wall = 1.0, 1.0  # the loop used all its time: nothing decodes, nothing waits
+    assert pacer.wait_s() == 0.0
+    busy[0] = True
+    assert pacer.wait_s() == 0.0  # the window starts
+    c.wall, c.cpu = 1.1, 1.005  # 5 ms of loop CPU in 100 ms: under 10%
+    assert pacer.wait_s() == 0.0
+    c.wall, c.cpu = 1.12, 1.012  # 12 ms in 120 ms: 10%, the share exactly
+    assert pacer.wait_s() == pytest.approx(0.0)
+    c.wall, c.cpu = 1.13, 1.015  # 15 ms in 130 ms: due 150 ms, so 20 ms to wait
+    assert pacer.wait_s() == pytest.approx(0.02)
+    c.cpu = 1.1  # 100 ms of CPU: 1 s due, but one wait is at most max_wait_s
+    assert pacer.wait_s() == pytest.approx(0.05)
+    c.wall = 1.3  # past the window: a new one starts, the debt is forgotten
+    assert pacer.wait_s() == 0.0
+    busy[0] = False
+    c.cpu += 1.0
+    assert pacer.wait_s() == 0.0
+
+
+def test_a_paced_request_sleeps_on_the_event_loop_and_the_wait_is_counted():
+    import asyncio
+
+    pacer, c = _pacer([True])
+    assert pacer.wait_s() == 0.0
+    c.wall, c.cpu = 0.01, 0.01  # 10 ms CPU in 10 ms: 90 ms due, 50 ms at most
+    asyncio.run(pacer())
+    assert pacer.waited_s == pytest.approx(0.05)

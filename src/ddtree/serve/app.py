@@ -105,6 +105,7 @@ class Service:
         # core at most from the engine, never a thread pool's worth
         self.tokenizing = concurrent.futures.ThreadPoolExecutor(1, "ddtree-tokenize")
         self.metrics = ServeMetrics(worker.totals, self.queue_depth, self.running)
+        self.pace = Pacer(lambda: bool(self.worker.running))
 
     def running(self) -> int:
         return len(self.worker.running)
@@ -352,6 +353,48 @@ class Service:
         }
 
 
+class Pacer:
+    """Keeps the event loop's share of the GIL small while a request decodes.
+
+    The engine thread and the event loop share one interpreter lock: every millisecond the
+    loop spends in Python (HTTP parsing, JSON, validation, error bodies) is a millisecond a
+    decode step waits, plus the hand-offs of the lock between the two threads. A client that
+    floods the server with requests it must refuse would otherwise slow every decode by as
+    much as it costs. So, while the engine runs, a new request waits before its body is read
+    until the loop's CPU time over the current window is at most ``share`` (8%) of the window's
+    wall time (each wait at most ``max_wait_s``; the window restarts every ``window_s``). With
+    the engine idle nothing waits. The loop's own thread CPU time (``time.thread_time``) is the
+    measure: whatever it spent, on whichever request, counts."""
+
+    def __init__(
+        self, busy: Callable[[], bool], share: float = 0.08, window_s: float = 0.25,
+        max_wait_s: float = 0.05, wall=time.monotonic, cpu=time.thread_time,
+    ) -> None:  # fmt: skip
+        self.busy, self.share, self.window_s, self.max_wait_s = busy, share, window_s, max_wait_s
+        self._wall, self._cpu = wall, cpu  # clocks (tests pass their own)
+        self._wall0 = self._cpu0 = None
+        self.waited_s = 0.0  # total
+
+    def wait_s(self) -> float:
+        """How long the next request waits (and the window's bookkeeping)."""
+        wall, cpu = self._wall(), self._cpu()
+        if not self.busy():
+            self._wall0 = None
+            return 0.0
+        if self._wall0 is None or wall - self._wall0 > self.window_s:
+            self._wall0, self._cpu0 = wall, cpu
+            return 0.0
+        over_s = (cpu - self._cpu0) / self.share - (wall - self._wall0)
+        return min(max(over_s, 0.0), self.max_wait_s)
+
+    async def __call__(self) -> None:
+        """Called on the event loop thread (its CPU time is the one measured)."""
+        wait_s = self.wait_s()
+        if wait_s > 0:
+            self.waited_s += wait_s
+            await asyncio.sleep(wait_s)
+
+
 def _max_token_chars(codec) -> int:
     """The most characters one token of ``codec`` decodes to (at least 1; 64 when the
     tokenizer does not say): a byte-level vocabulary spells each byte as one character, so a
@@ -417,6 +460,7 @@ def build_app(
     async def generate(request: Request, endpoint: _Endpoint) -> Response:
         arrived_s = time.perf_counter()
         service.check_open()
+        await service.pace()  # before the body is read: a flood waits, not the engine
         req = parse_request(endpoint.request, await service.read_json(request))
         service.check_model(req.model)
         service.check_prompt_size(req)
