@@ -336,3 +336,21 @@ def test_a_batch_whose_cache_does_not_fit_is_refused_naming_its_size(target, mon
         BatchEngine(target, None, max_rows=8, row_capacity=96)
     monkeypatch.setattr(rows, "available_bytes", lambda device: 10**12)
     assert BatchEngine(target, None, max_rows=8, row_capacity=96).idle
+
+
+def test_auto_builds_the_next_tree_at_twice_its_choice():
+    from ddtree.engine.budget import next_build
+
+    assert [next_build(n, 64) for n in (3, 0, 40, 64)] == [6, 4, 64, 64]
+    assert next_build(3, 5) == 5  # never past the request's own budget
+
+
+def test_generate_with_auto_budget_equals_ar_and_verifies_smaller_trees(target, pool):
+    """generate --budget auto: greedy output still equals AR, every verified tree is within
+    the request's budget, and the trees follow the choice (not all of the largest size)."""
+    drafter = random_dflash_drafter(target, 8, output_multiplier=0.3)
+    prompt, ar = pool[2]
+    config = DecodeConfig(policy="ddtree", budget=64, auto_budget=True, max_new_tokens=20)
+    got = generate(target, drafter, prompt, config)
+    assert got.tokens == ar[:20]
+    assert got.tree_nodes and max(got.tree_nodes) <= 64 and min(got.tree_nodes) < 64

@@ -37,6 +37,7 @@ from ddtree.engine.budget import (
     chain_tree,
     cost_widths,
     measure_verify_cost,
+    next_build,
     node_probs,
 )
 from ddtree.engine.loop import DecodeConfig, GenerationResult, check_context, prompt_tensor
@@ -50,7 +51,6 @@ from ddtree.models.static import EnginePlan, check_engine_support
 from ddtree.tree.types import DraftTree
 
 DEFAULT_ROW_CAPACITY = 2048
-AUTO_MIN_BUILD = 4  # --budget auto: the smallest tree a row builds (its choice may be less)
 """Positions a row holds when the engine is not told (capped by the target's max_position)."""
 
 
@@ -335,10 +335,7 @@ class BatchEngine:
         trees = self.auto.choose([r.tree for r in auto], [r.calibration for r in auto], fixed)
         for row, tree in zip(auto, trees, strict=True):
             row.tree = tree
-            # the next tree is built at twice this step's choice (up to the request's budget):
-            # room to grow, without drafting and building 64 nodes to verify a few
-            cap = row.request.config.tree_budget
-            row.proposer.budget = min(cap, max(AUTO_MIN_BUILD, 2 * (tree.n_nodes - 1)))
+            row.proposer.budget = next_build(tree.n_nodes - 1, row.request.config.tree_budget)
 
     def _verify_cost(self, buckets: tuple[int, ...]) -> VerifyCost:
         """Time a forward over W tokens spread over every row (all free now), at W = 1, 2,

@@ -31,6 +31,7 @@ import numpy as np
 from ddtree.tree.types import DraftTree
 
 CALIBRATION_EMA = 0.3  # weight of the newest step in a request's calibration
+MIN_BUILD = 4  # the smallest tree a request builds (its chosen prefix may be smaller)
 CALIBRATION_BOUNDS = (0.05, 2.0)
 
 
@@ -134,6 +135,13 @@ def trim(tree: DraftTree, budget: int) -> DraftTree:
     )
 
 
+def next_build(chosen_nodes: int, largest: int) -> int:
+    """The budget the next tree is built at: twice this step's choice (room to grow), at least
+    ``MIN_BUILD``, at most the request's ``largest``, so a request that verifies a few nodes
+    does not draft and build 64. Example: 3 chosen of 64 -> 6; 0 -> 4; 40 -> 64."""
+    return min(largest, max(MIN_BUILD, 2 * chosen_nodes))
+
+
 def node_probs(tree: DraftTree) -> np.ndarray:
     """[M - 1] the drafter's path probability of each non-root node."""
     return np.exp(tree.scores[1:].cpu().numpy())
@@ -192,9 +200,13 @@ class RequestAutoBudget:
 
     auto: AutoBudget
     calibration: Calibration
+    proposer: object  # its budget is where the next tree is built (``next_build``)
+    largest: int  # the request's budget: the largest tree it may build
 
     def choose(self, tree: DraftTree) -> DraftTree:
-        return self.auto.choose([tree], [self.calibration])[0]
+        chosen = self.auto.choose([tree], [self.calibration])[0]
+        self.proposer.budget = next_build(chosen.n_nodes - 1, self.largest)
+        return chosen
 
     def observe(self, tree: DraftTree, tau: int, step_s: float) -> None:
         self.calibration.observe(float(node_probs(tree).sum()), tau - 1)
@@ -228,13 +240,15 @@ def target_verify_cost(target, widths: Sequence[int], buckets: Sequence[int] = (
     return VerifyCost(curve.tokens, curve.seconds, tuple(buckets))
 
 
-def budget_for(config, target) -> FixedBudget | RequestAutoBudget:
+def budget_for(config, target, proposer) -> FixedBudget | RequestAutoBudget:
     """The budget rule of one request, chosen once: fixed, or auto with this target's verify
-    cost measured now (eager: widths 1, 2, 4, ... up to the tree's; compiled: its buckets)."""
+    cost measured now (eager: widths 1, 2, 4, ... up to the tree's; compiled: its buckets),
+    building each tree at ``next_build`` of the last choice (``proposer.budget``)."""
     if not config.auto_budget:
         return FixedBudget()
     widths = config.width_buckets()
     if config.engine_mode == "eager":
         widths = cost_widths(max(widths))
     cost = target_verify_cost(target, widths, () if config.engine_mode == "eager" else widths)
-    return RequestAutoBudget(AutoBudget(cost, fixed_s=cost(1)), Calibration())
+    auto = AutoBudget(cost, fixed_s=cost(1))
+    return RequestAutoBudget(auto, Calibration(), proposer, config.tree_budget)

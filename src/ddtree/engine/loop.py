@@ -174,7 +174,7 @@ def generate(
     )
     compile_s = target.set_engine_mode(plan)  # resets the cache; EngineModeError if unsupported
     compile_s += proposer.set_engine_mode(plan)
-    budget = budget_for(config, target)  # measures the verify cost curve once, for auto
+    budget = budget_for(config, target, proposer)  # auto: measures the verify cost once
 
     clock.begin()
     out = target.prefill(prompt.to(device))
