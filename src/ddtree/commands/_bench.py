@@ -18,20 +18,25 @@ def measure(
     total: int | None,
     label: Callable[[object], str],
     result: Callable[[list], BenchResult],
+    title: str = "timing",
 ) -> BenchResult:
     """``result`` of every point ``points`` yields (``label``: the progress line of each;
-    ``total`` None: no count known ahead)."""
+    ``total`` None: no count known ahead). Points too few for a result (``result`` raises a
+    ValueError) keep no record on an interrupt."""
     from ddtree.signals import keep
 
     done: list = []
     try:
-        with progress("timing", total=total) as bar:
+        with progress(title, total=total) as bar:
             for point in points:
                 bar.advance(label(point))
                 done.append(point)
     except KeyboardInterrupt:
         if args.records and done:
-            partial = result(done)
+            try:
+                partial = result(done)
+            except ValueError:
+                raise KeyboardInterrupt from None
             append_record(args.records, partial, f"after {len(done)}{_of(total)} points")
             keep(args.records, f"{partial.what} of the first {len(done)}{_of(total)} points")
         raise
