@@ -62,3 +62,33 @@ def test_json_is_one_line_and_no_table(tmp_path, capsys):
     assert json.loads(line)["summary"] == done.summary
     assert f"wrote a bench_attention record to {path}" in out.err
     assert "interrupted" not in read_records(path)[0].config_extra
+
+
+def test_a_run_of_several_records_keeps_each_on_interrupt(tmp_path, capsys):
+    from ddtree.bench.bandwidth import BandwidthPoint, bandwidth_result
+
+    path = tmp_path / "bw.jsonl"
+    args = argparse.Namespace(records=path, json=True)
+
+    def bw(method: str) -> BandwidthPoint:
+        return BandwidthPoint("cpu", method, 1 << 20, 1, 1 << 20, 1e-3, 1e-3, 1e-3, 1e9, 1e9, 1e9)
+
+    def points():
+        yield bw("copy")
+        yield bw("read")
+        raise KeyboardInterrupt
+
+    def result(done):
+        return bandwidth_result({"threads": 1}, done)
+
+    signals._state.kept.clear()
+    with pytest.raises(KeyboardInterrupt):
+        measure(args, points(), 3, lambda p: p.method, result)
+    records = read_records(path)
+    assert [r.config["method"] for r in records] == ["copy", "read"]
+    assert {r.config_extra["interrupted"] for r in records} == {"after 2 of 3 points"}
+    assert signals.kept() == {str(path): "2 bench_bandwidth records of the first 2 of 3 points"}
+    path.unlink()
+    assert report(args, result([bw("copy"), bw("read")]), lambda: pytest.fail("a table")) == 0
+    assert f"wrote 2 bench_bandwidth records to {path}" in capsys.readouterr().err
+    assert len(read_records(path)) == 2

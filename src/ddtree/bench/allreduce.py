@@ -19,7 +19,7 @@ relative error), the form the estimator's all-reduce component uses, so a record
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -69,10 +69,19 @@ def measure_allreduce(
 ) -> list[AllreducePoint]:
     """Time the all-reduce at every size on every rank of ``group`` (a ddtree Group); every
     rank returns the same points. ``progress(m)`` is called after each size."""
+    points = []
+    for point in allreduce_points(group, settings):
+        points.append(point)
+        if progress is not None:
+            progress(point.m)
+    return points
+
+
+def allreduce_points(group, settings: AllreduceSettings) -> Iterator[AllreducePoint]:
+    """:func:`measure_allreduce`'s points, one size at a time."""
     dtype = getattr(torch, settings.dtype)
     n = group.world_size
     sync = torch.cuda.synchronize if group.device.type == "cuda" else None
-    points = []
     for m in settings.ms:
         buf = torch.zeros(m, settings.hidden, dtype=dtype, device=group.device)
 
@@ -88,12 +97,7 @@ def measure_allreduce(
         median_s, p10_s, p90_s = (float(x) / settings.iters for x in mine.tolist())
         nbytes = buf.numel() * buf.element_size()
         algbw = nbytes / median_s
-        points.append(
-            AllreducePoint(m, nbytes, median_s, p10_s, p90_s, algbw, algbw * ring_factor(n))
-        )
-        if progress is not None:
-            progress(m)
-    return points
+        yield AllreducePoint(m, nbytes, median_s, p10_s, p90_s, algbw, algbw * ring_factor(n))
 
 
 def follow_allreduce(group, settings: AllreduceSettings) -> None:
@@ -126,3 +130,26 @@ def fit_allreduce(points: list[AllreducePoint], world_size: int) -> AllreduceFit
     bus = 1.0 / b if b > 0 else float("inf")
     fit_t = a + x * (b if b > 0 else 0.0)
     return AllreduceFit(float(a), float(bus), float(np.max(np.abs(fit_t - t) / t)))
+
+
+def allreduce_result(config: dict, points: list[AllreducePoint]):
+    """The bench_allreduce result: ``config`` (device, backend, world_size, dtype, hidden_size,
+    then the rest) and the :func:`fit_allreduce` of ``points``; a ValueError where the times do
+    not grow with the message size (no bandwidth to fit)."""
+    from ddtree.bench.result import BenchResult
+
+    fit = fit_allreduce(points, config["world_size"])
+    if not np.isfinite(fit.bus_bytes_per_s):
+        ms = [p.m for p in points]
+        raise ValueError(
+            f"all-reduce times do not grow with the message size over --m {ms}: no "
+            "bandwidth to fit; include larger widths"
+        )
+    summary = {
+        "latency_s": fit.latency_s,
+        "bus_bytes_per_s": fit.bus_bytes_per_s,
+        "fit_max_rel_error": fit.max_rel_error,
+    }
+    rows = [p.as_dict() for p in points]
+    document = {"bench": "allreduce", **config, **summary, "points": rows}
+    return BenchResult("bench_allreduce", config, summary, points, document)

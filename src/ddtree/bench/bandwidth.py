@@ -166,6 +166,13 @@ def bench_bandwidth(
                 yield measure(device, method, size, repeats=repeats, warmup=warmup)
 
 
+def _by_method(points: list[BandwidthPoint]) -> dict[tuple[str, str], list[BandwidthPoint]]:
+    groups: dict[tuple[str, str], list[BandwidthPoint]] = {}
+    for p in points:
+        groups.setdefault((p.device, p.method), []).append(p)
+    return groups
+
+
 def to_records(points: list[BandwidthPoint], hardware, extra_config: dict) -> list:
     """The bandwidth benchmark's record builder: one ``bench_bandwidth`` record per (device,
     method). Its summary is the point at the largest buffer (the one furthest above the
@@ -173,11 +180,8 @@ def to_records(points: list[BandwidthPoint], hardware, extra_config: dict) -> li
     from ddtree.provenance import this_process
     from ddtree.records import make_record
 
-    groups: dict[tuple[str, str], list[BandwidthPoint]] = {}
-    for p in points:
-        groups.setdefault((p.device, p.method), []).append(p)
     records = []
-    for (device, method), pts in groups.items():
+    for (device, method), pts in _by_method(points).items():
         top = max(pts, key=lambda p: p.buffer_bytes)
         config = {
             "device": device,
@@ -203,6 +207,29 @@ def to_records(points: list[BandwidthPoint], hardware, extra_config: dict) -> li
             )
         )
     return records
+
+
+def bandwidth_result(config: dict, points: list[BandwidthPoint]):
+    """The bench_bandwidth result: one record per (device, method) (:func:`to_records`), and
+    the ``--json`` document of all of them."""
+    from ddtree.bench.result import BenchResult
+    from ddtree.provenance import this_hardware
+
+    hw = this_hardware()
+    records = to_records(points, hw, config)
+    groups = list(_by_method(points).values())
+    parts = [
+        BenchResult("bench_bandwidth", r.config, r.summary, pts)
+        for r, pts in zip(records, groups, strict=True)
+    ]
+    document = {
+        "bench": "bandwidth",
+        "hardware": hw.label,
+        **config,
+        "summary": [{**r.config, **r.summary} for r in records],
+        "points": [p.as_dict() for p in points],
+    }
+    return BenchResult("bench_bandwidth", config, {}, points, document, parts)
 
 
 @dataclass

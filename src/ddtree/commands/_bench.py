@@ -1,5 +1,5 @@
 """What every benchmark command does with its result, in one place: progress while it measures,
-then ``--records`` (one record appended), and either one JSON line (``--json``) or its table.
+then ``--records`` (its records appended), and either one JSON line (``--json``) or its table.
 Interrupted (Ctrl-C, SIGTERM) with ``--records``, the points measured so far are appended as a
 record marked ``interrupted`` and named (``ddtree.signals.keep``) before the interrupt goes on."""
 
@@ -18,24 +18,27 @@ def measure(
     total: int | None,
     label: Callable[[object], str],
     result: Callable[[list], BenchResult],
+    title: str = "timing",
 ) -> BenchResult:
     """``result`` of every point ``points`` yields (``label``: the progress line of each;
-    ``total`` None: no count known ahead)."""
+    ``total`` None: no count known ahead). Points too few for a result (``result`` raises a
+    ValueError) keep no record on an interrupt."""
     from ddtree.signals import keep
 
     done: list = []
     try:
-        with progress("timing", total=total) as bar:
+        with progress(title, total=total) as bar:
             for point in points:
                 bar.advance(label(point))
                 done.append(point)
     except KeyboardInterrupt:
         if args.records and done:
-            partial = result(done)
+            try:
+                partial = result(done)
+            except ValueError:
+                raise KeyboardInterrupt from None
             append_record(args.records, partial, f"after {len(done)}{_of(total)} points")
-            keep(
-                args.records, f"a {partial.kind} record of the first {len(done)}{_of(total)} points"
-            )
+            keep(args.records, f"{partial.what} of the first {len(done)}{_of(total)} points")
         raise
     return result(done)
 
@@ -45,16 +48,18 @@ def _of(total: int | None) -> str:
 
 
 def append_record(path, result: BenchResult, interrupted: str | None = None) -> None:
-    """``result`` as one record appended to ``path`` (``interrupted``: into its config)."""
+    """``result`` appended to ``path``, one record (or one per part; ``interrupted``: into
+    each one's config), all in one write."""
     from ddtree.provenance import this_hardware, this_process
     from ddtree.records import make_record, write_records
 
-    config = result.config if interrupted is None else {**result.config, "interrupted": interrupted}
+    hardware = this_hardware()
     producer = this_process(f"ddtree {result.kind.replace('_', ' ')}")
-    record = make_record(
-        result.kind, this_hardware(), config, result.summary, result.rows, producer
-    )
-    write_records(path, [record])
+    records = []
+    for part in result.records:
+        config = part.config if interrupted is None else {**part.config, "interrupted": interrupted}
+        records.append(make_record(part.kind, hardware, config, part.summary, part.rows, producer))
+    write_records(path, records)
 
 
 def report(args: argparse.Namespace, result: BenchResult, table: Callable[[], object]) -> int:
@@ -63,7 +68,7 @@ def report(args: argparse.Namespace, result: BenchResult, table: Callable[[], ob
 
     if args.records:
         append_record(args.records, result)
-        note(f"wrote a {result.kind} record to {args.records}")
+        note(f"wrote {result.what} to {args.records}")
     if args.json:
         print(json.dumps(result.json_document()))
     else:

@@ -4,8 +4,6 @@ x 2 bytes) over N processes: spawned here, or the ranks torchrun started."""
 from __future__ import annotations
 
 import argparse
-import json
-import math
 
 from ddtree.commands._args import (
     add_alias,
@@ -114,18 +112,14 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     from ddtree.bench.allreduce import (
         AllreduceSettings,
-        fit_allreduce,
+        allreduce_points,
+        allreduce_result,
         follow_allreduce,
-        measure_allreduce,
     )
-    from ddtree.commands._output import console, note, progress
+    from ddtree.commands._bench import measure, report
     from ddtree.distributed import start_group
-    from ddtree.provenance import this_hardware, this_process
-    from ddtree.records import BenchAllreduce, write_records
 
     _check(args)
     threads = set_threads(args)  # each rank sets the same count (0: torch's default there)
@@ -136,20 +130,42 @@ def run(args: argparse.Namespace) -> int:
     group = start_group(args.tp, follow_allreduce, (settings,), args.device, args.timeout)
     if group is None:  # a rank > 0 under torchrun: it measured along with rank 0
         return 0
+    config = {
+        "device": args.device,
+        "backend": group.backend,
+        "world_size": group.world_size,
+        "dtype": args.dtype,
+        "hidden_size": args.hidden,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "threads": settings.threads,
+        "launcher": group.launcher,
+        "statistic": "median of samples, slowest rank",
+    }
     try:
-        with progress("all-reduce", total=len(settings.ms)) as bar:
-            points = measure_allreduce(group, settings, lambda m: bar.advance(f"M={m}"))
+        result = measure(
+            args,
+            allreduce_points(group, settings),
+            len(settings.ms),
+            lambda pt: f"M={pt.m}",
+            lambda points: allreduce_result(config, points),
+            "all-reduce",
+        )
     finally:
         group.close()
-    n = group.world_size
-    fit = fit_allreduce(points, n)
-    if not math.isfinite(fit.bus_bytes_per_s):
-        raise ValueError(
-            f"all-reduce times do not grow with the message size over --m {args.m}: no "
-            "bandwidth to fit; include larger widths"
-        )
+    return report(args, result, lambda: _table(args, result))
+
+
+def _table(args: argparse.Namespace, result):
+    from rich.table import Table
+
+    from ddtree.bench.allreduce import fit_allreduce
+
+    n = result.config["world_size"]
+    fit = fit_allreduce(result.points, n)
     table = Table(
-        title=f"ddtree bench allreduce: {n} ranks, {group.backend} on {args.device}, "
+        title=f"ddtree bench allreduce: {n} ranks, {result.config['backend']} on {args.device}, "
         f"{args.dtype}, hidden {args.hidden}, {threads_label(args)} per rank",
         caption=f"fit: latency {fit.latency_s * 1e6:.1f} µs + 2(n-1)/n x bytes / "
         f"{fit.bus_bytes_per_s / 1e9:.2f} GB/s (worst point {fit.max_rel_error:.0%} off). "
@@ -157,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for col in ("M", "bytes", "median µs", "p10 µs", "p90 µs", "algbw GB/s", "busbw GB/s"):
         table.add_column(col, justify="right")
-    for p in points:
+    for p in result.points:
         table.add_row(
             str(p.m),
             f"{p.bytes:,}",
@@ -167,34 +183,4 @@ def run(args: argparse.Namespace) -> int:
             f"{p.algbw_bytes_per_s / 1e9:.3f}",
             f"{p.bus_bytes_per_s / 1e9:.3f}",
         )
-    config_extra = {
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "iters": args.iters,
-        "threads": settings.threads,
-        "launcher": group.launcher,
-        "statistic": "median of samples, slowest rank",
-    }
-    record = BenchAllreduce(
-        hardware=this_hardware(),
-        provenance=this_process("ddtree bench allreduce"),
-        device=args.device,
-        backend=group.backend,
-        world_size=n,
-        dtype=args.dtype,
-        hidden_size=args.hidden,
-        latency_s=fit.latency_s,
-        bus_bytes_per_s=fit.bus_bytes_per_s,
-        points=[p.as_dict() for p in points],
-        config_extra=config_extra,
-        summary_extra={"fit_max_rel_error": fit.max_rel_error},
-    )
-    if args.records:  # before stdout, which may be a closed pipe
-        write_records(args.records, [record])
-        note(f"wrote a bench_allreduce record to {args.records}")
-    if args.json:
-        print(json.dumps({"bench": "allreduce", **record.config, **record.summary,
-                          "points": record.points}))  # fmt: skip
-    else:
-        console().print(table)
-    return 0
+    return table

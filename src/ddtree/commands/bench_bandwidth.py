@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from ddtree.commands._args import (
     add_json_argument,
@@ -67,19 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from rich.table import Table
-
     from ddtree.bench.bandwidth import (
         MIB,
+        bandwidth_result,
         bench_bandwidth,
         host_conditions,
         last_level_cache_bytes,
         resolve_devices,
-        to_records,
     )
-    from ddtree.commands._output import console, note, progress
-    from ddtree.provenance import this_hardware
-    from ddtree.records import write_records
+    from ddtree.commands._bench import measure, report
 
     try:
         devices = resolve_devices(args.device)
@@ -88,7 +83,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
     threads = set_threads(args)
     host = host_conditions()  # before we load the cores ourselves
-    llc = last_level_cache_bytes()
+    config = {
+        "threads": threads,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "statistic": "median",
+        **host,
+        "llc_bytes": last_level_cache_bytes(),
+    }
+    sizes = [mib * MIB for mib in args.sizes_mib]
+    result = measure(
+        args,
+        bench_bandwidth(devices, args.methods, sizes, args.repeats, args.warmup),
+        len(devices) * len(args.methods) * len(sizes),
+        lambda pt: f"{pt.device} {pt.method} {pt.buffer_bytes // MIB} MiB",
+        lambda points: bandwidth_result(config, points),
+    )
+    return report(args, result, lambda: _table(args, result))
+
+
+def _table(args: argparse.Namespace, result):
+    from rich.table import Table
+
+    from ddtree.bench.bandwidth import MIB
+
+    llc = result.config["llc_bytes"]
     llc_text = f"LLC {llc / MIB:.0f} MiB" if llc else "LLC unknown"
     table = Table(
         title=f"ddtree bench bandwidth ({threads_label(args)}, {llc_text})",
@@ -97,49 +116,16 @@ def run(args: argparse.Namespace) -> int:
     )
     for col in ("device", "method", "buffer MiB", "bytes/call", "median ms", "GB/s", "p10", "p90"):
         table.add_column(col, justify="right")
-    points = []
-    sizes = [mib * MIB for mib in args.sizes_mib]
-    total = len(devices) * len(args.methods) * len(sizes)
-    with progress("timing", total=total) as bar:
-        for pt in bench_bandwidth(devices, args.methods, sizes, args.repeats, args.warmup):
-            bar.advance(f"{pt.device} {pt.method} {pt.buffer_bytes // MIB} MiB")
-            points.append(pt)
-            small = pt.device == "cpu" and llc is not None and pt.buffer_bytes < 4 * llc
-            table.add_row(
-                pt.device,
-                pt.method,
-                f"{pt.buffer_bytes / MIB:.0f}" + ("*" if small else ""),
-                f"{pt.bytes // pt.calls // pt.buffer_bytes}x",
-                f"{pt.seconds / pt.calls * 1e3:.2f}",
-                f"{pt.bytes_per_s / 1e9:.1f}",
-                f"{pt.bytes_per_s_p10 / 1e9:.1f}",
-                f"{pt.bytes_per_s_p90 / 1e9:.1f}",
-            )
-    hw = this_hardware()
-    config = {
-        "threads": threads,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "statistic": "median",
-        **host,
-        "llc_bytes": llc,
-    }
-    records = to_records(points, hw, config)
-    if args.records:  # before stdout, which may be a closed pipe
-        write_records(args.records, records)
-        note(f"wrote {len(records)} bench_bandwidth records to {args.records}")
-    if not args.json:
-        console().print(table)
-        return 0
-    print(
-        json.dumps(
-            {
-                "bench": "bandwidth",
-                "hardware": hw.label,
-                **config,
-                "summary": [{**r.config, **r.summary} for r in records],
-                "points": [p.as_dict() for p in points],
-            }
+    for pt in result.points:
+        small = pt.device == "cpu" and llc is not None and pt.buffer_bytes < 4 * llc
+        table.add_row(
+            pt.device,
+            pt.method,
+            f"{pt.buffer_bytes / MIB:.0f}" + ("*" if small else ""),
+            f"{pt.bytes // pt.calls // pt.buffer_bytes}x",
+            f"{pt.seconds / pt.calls * 1e3:.2f}",
+            f"{pt.bytes_per_s / 1e9:.1f}",
+            f"{pt.bytes_per_s_p10 / 1e9:.1f}",
+            f"{pt.bytes_per_s_p90 / 1e9:.1f}",
         )
-    )
-    return 0
+    return table
