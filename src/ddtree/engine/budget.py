@@ -63,9 +63,6 @@ class VerifyCost:
         slope = (self.seconds[-1] - self.seconds[-2]) / (self.tokens[-1] - self.tokens[-2])
         return max(slope, 0.0) * (width - self.tokens[-1])
 
-    def table(self) -> list[tuple[int, float]]:
-        return list(zip(self.tokens, self.seconds, strict=True))
-
 
 def measure_verify_cost(
     forward: Callable[[int], object], widths: Sequence[int], repeats: int = 3, sync=None
