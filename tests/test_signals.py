@@ -126,6 +126,34 @@ def test_estimate_report_keeps_its_finished_plots(tmp_path, sig):
     )
 
 
+def test_a_signal_as_a_file_lands_waits_until_the_file_is_counted(tmp_path, monkeypatch):
+    """The race CI hit once: SIGTERM between ``os.replace`` and the caller's ``keep`` left a
+    written plot uncounted ("before any result was written"). ``on_replaced`` runs in the
+    replace's deferred section, so the signal is raised only after it."""
+    import ddtree.files
+    from ddtree.signals import Interrupted, handle_signals, kept
+    from ddtree.signals import keep as keep_it
+
+    real_replace = os.replace
+
+    def replace_then_signal(src, dst):
+        real_replace(src, dst)
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives the moment the file has its name
+
+    monkeypatch.setattr(ddtree.files.os, "replace", replace_then_signal)
+    path = tmp_path / "plot.png"
+    with pytest.raises(Interrupted), handle_signals():
+        try:
+            with ddtree.files.replace_atomically(
+                path, on_replaced=lambda p: keep_it(p.parent, p.name)
+            ) as partial:
+                partial.write_bytes(b"png")
+        finally:
+            seen = kept()
+    assert path.read_bytes() == b"png"
+    assert seen == {str(tmp_path): "plot.png"}
+
+
 @pytest.mark.parametrize(
     "argv, expect",
     [

@@ -33,7 +33,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -167,11 +167,15 @@ def failed_write(exc: OSError, path: Path, doing: str, kept: str) -> OSError:
 
 @contextmanager
 def replace_atomically(
-    path: str | os.PathLike, what: str = "a regular file to write"
+    path: str | os.PathLike,
+    what: str = "a regular file to write",
+    on_replaced: Callable[[Path], None] | None = None,
 ) -> Iterator[Path]:
     """Yield a temporary path beside ``path`` (a symlink followed) for the caller to write;
     on success it replaces ``path`` (keeping its mode), on any failure it is removed and
-    ``path`` is as it was. Creates the parent folders."""
+    ``path`` is as it was. Creates the parent folders. ``on_replaced(path)`` runs in the same
+    section as the replace, so a signal cannot fall between the file appearing and the caller
+    counting it (``ddtree.signals.keep``)."""
     target = check_output_file(path, what)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
@@ -182,6 +186,8 @@ def replace_atomically(
             shutil.copymode(target, partial)
         with deferred():
             os.replace(partial, target)
+            if on_replaced is not None:
+                on_replaced(target)
     except OSError as exc:
         kept = "the old file is as it was" if existed else "nothing was written there"
         raise failed_write(exc, target, "writing it", kept) from None

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         random_target,
     )
     from ddtree.records import write_records
-    from ddtree.signals import keep
+    from ddtree.signals import deferred, keep
 
     oracle_spec = parse_oracle_spec(args.oracle)
     set_threads(args)
@@ -129,9 +129,10 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = _bandwidth(args, device)
     kept = []  # what --records holds from this run
     if args.records and bandwidth[1] is not None:  # appended now: kept if the sweep is cut
-        write_records(args.records, [bandwidth[1]])
-        kept.append("1 bench_bandwidth record")
-        keep(args.records, kept[0])
+        with deferred():  # no signal between the record landing and its being counted
+            write_records(args.records, [bandwidth[1]])
+            kept.append("1 bench_bandwidth record")
+            keep(args.records, kept[0])
 
     n_tensors = sum(1 for _ in _tensor_names(preset))
     with progress(f"random weights for {preset.name}", total=n_tensors) as bar:

@@ -16,7 +16,7 @@ not mislead:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,12 +56,13 @@ def _pyplot():
     return plt
 
 
-def save(fig, path: Path) -> Path:
-    """Write ``fig`` as a PNG (atomically: ``ddtree.files.replace_atomically``) and free it."""
+def save(fig, path: Path, on_saved: Callable[[Path], None] | None = None) -> Path:
+    """Write ``fig`` as a PNG (atomically: ``ddtree.files.replace_atomically``, which calls
+    ``on_saved(path)`` in the replace's section) and free it."""
     from ddtree.files import replace_atomically
 
     try:
-        with replace_atomically(path) as partial:
+        with replace_atomically(path, on_replaced=on_saved) as partial:
             fig.savefig(partial, dpi=110, format="png")
     finally:
         _pyplot().close(fig)

@@ -576,9 +576,7 @@ def write_report(
     for name, make in makers.items():
         fig = make()
         if fig is not None:
-            written.append(plots.save(fig, out / f"{name}.png"))
-            if on_written is not None:
-                on_written(written[-1])
+            written.append(plots.save(fig, out / f"{name}.png", on_saved=on_written))
     figures = [p.stem for p in written]
     md = [f"# {sf.title}", "", f"Scenario file: `{sf.path}`", ""]
     md.append(
@@ -597,10 +595,8 @@ def write_report(
     md += [f"![{name}]({name}.png)\n" for name in figures]
     md += ["## Chain of reasoning", "", "```", explain(est), "```", ""]
     written.append(out / "report.md")
-    with replace_atomically(written[-1]) as partial:
+    with replace_atomically(written[-1], on_replaced=on_written) as partial:
         partial.write_text("\n".join(md), encoding="utf-8")
-    if on_written is not None:
-        on_written(written[-1])
     return written
 
 
