@@ -73,25 +73,18 @@ def run(args: argparse.Namespace) -> int:
         from ddtree.extras import require_extra
 
         require_extra("report", "ddtree tune --report")
-    from ddtree.perf.inputs.acceptance import choose_trace, read_acceptance
-    from ddtree.perf.projection.calibrate import calibrate, training_anchors
-    from ddtree.perf.projection.estimate import load
-    from ddtree.perf.projection.tune import held_out, tune
+    from ddtree.perf.projection.tune import held_out
 
     hardware = [h for h in args.hardware.split(",") if h]
     if not hardware:
         raise ValueError("--hardware: expected at least one hardware key")
-    sf = load(args.scenario, args.records, args.allow_oversubscribe)
-    measured = choose_trace(read_acceptance(args.acceptance), args.trace, "--acceptance")
-    train = args.train_budgets or []
-    anchors = training_anchors(sf.anchors, train) if train else sf.anchors
-    cal = calibrate(anchors, sf.specs, sf.fixed)
-    curves = tune(sf, cal, hardware, measured, args.samples, args.seed, args.concurrency or ())
+    sf, measured, curves = tune_curves(args, hardware)
     for note in sf.notes:  # the file's, and the physics warnings of the points swept
         print(f"note: {note}", file=sys.stderr)
     warnings = [w for w in (records_warning(sf, measured),) if w]
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    train = args.train_budgets or []
     check = None
     if train and "this-machine" in hardware:
         check = held_out(curves, sf.anchors, "this-machine", train)
@@ -109,6 +102,23 @@ def run(args: argparse.Namespace) -> int:
     for part in tune_text(curves, check, measured[0]):
         out.print(part, markup=False, highlight=False)
     return 0
+
+
+def tune_curves(args: argparse.Namespace, hardware: list[str]):
+    """The scenario, the chosen trace's acceptance and the tuned curves: calibrated on the
+    ``--train-budgets`` runs only when given."""
+    from ddtree.perf.inputs.acceptance import choose_trace, read_acceptance
+    from ddtree.perf.projection.calibrate import calibrate, training_anchors
+    from ddtree.perf.projection.estimate import load
+    from ddtree.perf.projection.tune import tune
+
+    sf = load(args.scenario, args.records, args.allow_oversubscribe)
+    measured = choose_trace(read_acceptance(args.acceptance), args.trace, "--acceptance")
+    train = args.train_budgets or []
+    anchors = training_anchors(sf.anchors, train) if train else sf.anchors
+    cal = calibrate(anchors, sf.specs, sf.fixed)
+    curves = tune(sf, cal, hardware, measured, args.samples, args.seed, args.concurrency or ())
+    return sf, measured, curves
 
 
 def records_warning(sf, measured) -> str | None:
