@@ -88,20 +88,25 @@ def run(args: argparse.Namespace) -> int:
     check = None
     if train and "this-machine" in hardware:
         check = held_out(curves, sf.anchors, "this-machine", train)
+    show_tune(args, curves, check, measured[0], sf.anchors, warnings)
+    return 0
+
+
+def show_tune(args: argparse.Namespace, curves, check, measured, anchors, warnings) -> None:
+    """The ``--report`` files, then the JSON document or the tables."""
     if args.report:
         from ddtree.commands._output import note
 
-        for path in write_report(curves, check, Path(args.report), sf.anchors):
+        for path in write_report(curves, check, Path(args.report), anchors):
             note(f"wrote {path}")
     if args.json:
-        print(json.dumps({**to_json(curves, check, measured[0].trace), "warnings": warnings}))
-        return 0
+        print(json.dumps({**to_json(curves, check, measured.trace), "warnings": warnings}))
+        return
     from ddtree.commands._output import console
 
     out = console()
-    for part in tune_text(curves, check, measured[0]):
+    for part in tune_text(curves, check, measured):
         out.print(part, markup=False, highlight=False)
-    return 0
 
 
 def tune_curves(args: argparse.Namespace, hardware: list[str]):
