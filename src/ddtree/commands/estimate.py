@@ -84,54 +84,83 @@ def run(args: argparse.Namespace) -> int:
         from ddtree.extras import require_extra
 
         require_extra("report", "ddtree estimate --report")
-    from ddtree.commands._output import console
     from ddtree.perf.hardware.catalog import CatalogError
     from ddtree.perf.hardware.units import UnitError
     from ddtree.perf.inputs.scenario import ScenarioError
-    from ddtree.perf.projection.estimate import estimate, load, records_warning, run_backtest
-    from ddtree.perf.report import render as report
     from ddtree.perf.shapes.model import ModelError
     from ddtree.records import RecordError
 
     try:
         if args.validate is not None:
-            from ddtree.perf.validation import corpus as validate
-
-            v = validate.run(args.validate or None, min(args.samples, 2000), args.seed)
-            if args.json:
-                print(report.validation_json(v))
-            else:
-                report.validation_table(v, console())
-            return 0
+            return validate(args)
         if args.backtest:
-            sf = load(args.scenario, args.backtest, args.allow_oversubscribe)
-            if args.scenario is None:  # hold out records only, not the bundled seed's anchors
-                sf.anchors = [a for a in sf.anchors if a.from_records]
-            mixed = records_warning(sf)
-            if mixed:
-                print(f"warning: {mixed}", file=sys.stderr)
-            bt = run_backtest(sf, args.train_budgets, args.train_concurrency)
-            if not bt.rows:
-                print(
-                    "ddtree estimate: --backtest found no engine_run records to hold out",
-                    file=sys.stderr,
-                )
-                return 2
-            if args.json:
-                import json
-
-                print(json.dumps(report.backtest_dict(bt), indent=2))
-            else:
-                print(report.backtest_text(bt))
-            return 0
-        sf = load(args.scenario, args.records, args.allow_oversubscribe)
-        for note in sf.notes:
-            print(f"note: {note}", file=sys.stderr)
-        est = estimate(sf, args.samples, args.seed)
+            return backtest(args)
+        est = estimate_scenario(args)
     except (ScenarioError, UnitError, CatalogError, ModelError, RecordError) as exc:
         # one line, whatever the file's own keys and strings hold (a newline, a \x1c)
         print(f"ddtree estimate: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    show_estimate(args, est)
+    return 0
+
+
+def validate(args: argparse.Namespace) -> int:
+    """``--validate``: score the estimator on the published measurements, table or JSON."""
+    from ddtree.commands._output import console
+    from ddtree.perf.report import render as report
+    from ddtree.perf.validation import corpus
+
+    v = corpus.run(args.validate or None, min(args.samples, 2000), args.seed)
+    if args.json:
+        print(report.validation_json(v))
+    else:
+        report.validation_table(v, console())
+    return 0
+
+
+def backtest(args: argparse.Namespace) -> int:
+    """``--backtest``: leave-one-out over the records' engine runs, text or JSON; 2 when there
+    is no engine run to hold out."""
+    from ddtree.perf.projection.estimate import load, records_warning, run_backtest
+    from ddtree.perf.report import render as report
+
+    sf = load(args.scenario, args.backtest, args.allow_oversubscribe)
+    if args.scenario is None:  # hold out records only, not the bundled seed's anchors
+        sf.anchors = [a for a in sf.anchors if a.from_records]
+    mixed = records_warning(sf)
+    if mixed:
+        print(f"warning: {mixed}", file=sys.stderr)
+    bt = run_backtest(sf, args.train_budgets, args.train_concurrency)
+    if not bt.rows:
+        print(
+            "ddtree estimate: --backtest found no engine_run records to hold out", file=sys.stderr
+        )
+        return 2
+    if args.json:
+        import json
+
+        print(json.dumps(report.backtest_dict(bt), indent=2))
+    else:
+        print(report.backtest_text(bt))
+    return 0
+
+
+def estimate_scenario(args: argparse.Namespace):
+    """Load the scenario (and ``--records``), print its notes, and estimate it."""
+    from ddtree.perf.projection.estimate import estimate, load
+
+    sf = load(args.scenario, args.records, args.allow_oversubscribe)
+    for note in sf.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return estimate(sf, args.samples, args.seed)
+
+
+def show_estimate(args: argparse.Namespace, est) -> None:
+    """The calibration warnings, then JSON, the summary (and ``--explain``), and the
+    ``--report`` files."""
+    from ddtree.commands._output import console
+    from ddtree.perf.report import render as report
+
     for warning in report.calibration_warnings(est):
         print(f"warning: {warning}", file=sys.stderr)
     if args.json:
@@ -144,7 +173,6 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         paths = report.write_report(est, args.report, on_written=_keeping_report(args.report))
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
-    return 0
 
 
 def _keeping_report(folder):

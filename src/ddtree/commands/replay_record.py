@@ -53,26 +53,50 @@ def run(args: argparse.Namespace) -> int:
     """Interrupted (Ctrl-C, SIGTERM), the prompts recorded so far are saved as a trace of
     their own beside ``--out`` (``partial_path``), never under ``--out``."""
     from ddtree.commands._output import note, progress
-    from ddtree.files import check_output_file
-    from ddtree.replay.record import record_prompts
-    from ddtree.replay.trace import TRACE_FILE, merge_traces, model_stamp, save_trace
-    from ddtree.signals import keep
+    from ddtree.replay.trace import save_trace
 
     out = args.out or Path("runs") / f"trace-{time.strftime('%Y%m%d-%H%M%S')}.safetensors"
-    for path in (out, partial_path(out)):  # now, not after the recording
-        check_output_file(path, TRACE_FILE)
-    if out.exists() and not args.force:
-        raise ValueError(
-            f"--out {out}: the file exists; expected a new path (or --force to replace it)"
-        )
+    check_out(out, args.force)  # now, not after the recording
     prompts = demo_prompts(args.prompts)
     if args.n_prompts:
         prompts = prompts[: args.n_prompts]
     with progress("loading models"):
         models = load_models(args, need_drafter=True)
     ids = [models.codec.encode(p) for p in prompts]
-    traces = []
     start = time.perf_counter()
+    trace = record_with_progress(models, ids, prompts, args.max_new_tokens, args.candidates, out)
+    record_s = time.perf_counter() - start
+    save_trace(trace, out)
+    print(record_summary(trace, record_s, threads_label(args)))
+    note(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, {trace.fingerprint})")
+    if args.compare_ar:
+        compare_with_ar(models, ids, args.max_new_tokens, record_s)
+    return 0
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse an ``--out`` (or its partial file) that is not a trace path, and an existing
+    ``--out`` without ``--force``."""
+    from ddtree.files import check_output_file
+    from ddtree.replay.trace import TRACE_FILE
+
+    for path in (out, partial_path(out)):
+        check_output_file(path, TRACE_FILE)
+    if out.exists() and not force:
+        raise ValueError(
+            f"--out {out}: the file exists; expected a new path (or --force to replace it)"
+        )
+
+
+def record_with_progress(models, ids, prompts, max_new_tokens: int, candidates: int, out: Path):
+    """Record every prompt, a progress bar per prompt; the merged trace. Interrupted, the
+    prompts recorded so far are kept at ``partial_path(out)`` and the interrupt re-raised."""
+    from ddtree.commands._output import progress
+    from ddtree.replay.record import record_prompts
+    from ddtree.replay.trace import merge_traces, model_stamp, save_trace
+    from ddtree.signals import keep
+
+    traces = []
     try:
         with progress("recording", total=len(ids)) as bar:
             for i, trace in enumerate(
@@ -80,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
                     models.target,
                     models.drafter,
                     ids,
-                    args.max_new_tokens,
-                    args.candidates,
+                    max_new_tokens,
+                    candidates,
                     model_stamp(models.target.info, models.target_path),
                     model_stamp(models.drafter.info, models.drafter_path),
                     texts=prompts,
@@ -94,23 +118,20 @@ def run(args: argparse.Namespace) -> int:
             kept = save_trace(merge_traces(traces), partial_path(out))
             keep(kept, f"a trace of the first {len(traces)} of {len(ids)} prompts (not {out})")
         raise
-    record_s = time.perf_counter() - start
-    trace = merge_traces(traces)
-    save_trace(trace, out)
+    return merge_traces(traces)
+
+
+def record_summary(trace, record_s: float, threads: str) -> str:
+    """The line after a recording: prompts, tokens, roots, B, K and the measured times."""
     h = trace.header
     greedy_s = sum(p.greedy_s for p in h.prompts)
     draft_s = sum(p.draft_s for p in h.prompts)
     tokens = sum(p.new_tokens for p in h.prompts)
-    size_mb = out.stat().st_size / 1e6
-    print(
-        f"recorded {len(ids)} prompts, {tokens} tokens, {trace.topk_logprobs.shape[0]} roots, "
-        f"B={h.block_size}, K={h.top_k}: {record_s:.2f} s (measured: greedy pass "
-        f"{greedy_s:.2f} s, drafting + top-K {draft_s:.2f} s; {threads_label(args)})"
+    return (
+        f"recorded {len(h.prompts)} prompts, {tokens} tokens, {trace.topk_logprobs.shape[0]} "
+        f"roots, B={h.block_size}, K={h.top_k}: {record_s:.2f} s (measured: greedy pass "
+        f"{greedy_s:.2f} s, drafting + top-K {draft_s:.2f} s; {threads})"
     )
-    note(f"wrote {out} ({size_mb:.1f} MB, {trace.fingerprint})")
-    if args.compare_ar:
-        compare_with_ar(models, ids, args.max_new_tokens, record_s)
-    return 0
 
 
 def partial_path(out: Path) -> Path:

@@ -40,17 +40,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddtree.commands._output import console, note, progress
+    from ddtree.commands._output import note
     from ddtree.records import write_records
-    from ddtree.replay.simulate import replay_points
-    from ddtree.replay.stats import acceptance_record, replay_sweep
+    from ddtree.replay.stats import acceptance_record
     from ddtree.replay.trace import check_folders, load_trace
-    from ddtree.tree import backend
 
     trace = load_trace(args.trace)
     check_folders(trace.header, str(args.trace), args.target, args.drafter)
-    policies = args.policies
-    points = replay_points(trace, policies, args.budgets)
+    summaries, replay_s, replay_cpu_s = replay_with_progress(trace, args.policies, args.budgets)
+    h = trace.header
+    records = [acceptance_record(s, h, str(args.trace)) for s in summaries]
+    path = args.records or Path("runs") / f"acceptance-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    write_records(path, records)
+    if args.json:
+        print(json.dumps(tau_json(summaries, h, args.trace, replay_s, replay_cpu_s, path)))
+        return 0
+    print_tau(summaries, h, replay_s, replay_cpu_s)
+    note(f"wrote {len(records)} acceptance records to {path}")
+    return 0
+
+
+def replay_with_progress(trace, policies, budgets):
+    """Replay every (policy, budget) point with a progress bar per policy and prompt; the
+    summaries, the wall-clock and the CPU seconds it took."""
+    from ddtree.commands._output import progress
+    from ddtree.replay.simulate import replay_points
+    from ddtree.replay.stats import replay_sweep
+
+    points = replay_points(trace, policies, budgets)
     start, start_cpu = time.perf_counter(), time.process_time()
     n_policies = len({p for p, _ in points})
     with progress("replaying", total=n_policies * len(trace.header.prompts)) as bar:
@@ -58,42 +75,46 @@ def run(args: argparse.Namespace) -> int:
         def advance(policy: str, i: int) -> None:
             bar.advance(f"{policy} prompt {i + 1}")
 
-        summaries = replay_sweep(trace, policies, args.budgets, advance)
-    replay_s, replay_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
-    h = trace.header
-    records = [acceptance_record(s, h, str(args.trace)) for s in summaries]
-    path = args.records or Path("runs") / f"acceptance-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    write_records(path, records)
-    if args.json:
-        out = {
-            "trace": h.fingerprint,
-            "trace_path": str(args.trace),
-            "block_size": h.block_size,
-            "top_k": h.top_k,
-            "replay_s": replay_s,
-            "replay_cpu_s": replay_cpu_s,
-            "tree_backend": backend(),
-            "records": str(path),
-            "points": [dataclasses.asdict(s) for s in summaries],
-        }
-        print(json.dumps(out))
-        return 0
+        summaries = replay_sweep(trace, policies, budgets, advance)
+    return summaries, time.perf_counter() - start, time.process_time() - start_cpu
+
+
+def tau_json(summaries, header, trace_path, replay_s, replay_cpu_s, records) -> dict:
+    """The ``--json`` document: the trace, the timing, the tree backend and every point."""
+    from ddtree.tree import backend
+
+    return {
+        "trace": header.fingerprint,
+        "trace_path": str(trace_path),
+        "block_size": header.block_size,
+        "top_k": header.top_k,
+        "replay_s": replay_s,
+        "replay_cpu_s": replay_cpu_s,
+        "tree_backend": backend(),
+        "records": str(records),
+        "points": [dataclasses.asdict(s) for s in summaries],
+    }
+
+
+def print_tau(summaries, header, replay_s, replay_cpu_s) -> None:
+    """The tables, the timing line, and a warning for budgets past the trace's top-K."""
+    from ddtree.commands._output import console, note
+    from ddtree.tree import backend
+
     out = console()
-    for table in tau_tables(summaries, h):
+    for table in tau_tables(summaries, header):
         out.print(table)
     out.print(
-        f"replayed {len(summaries)} points x {len(h.prompts)} prompts in {replay_s:.2f} s "
+        f"replayed {len(summaries)} points x {len(header.prompts)} prompts in {replay_s:.2f} s "
         f"({replay_cpu_s:.2f} s CPU; tree backend {backend()}; measured)"
     )
     limited = [s for s in summaries if s.limited_steps]
     if limited:
         note(
-            f"warning: budgets above the trace's top-K ({h.top_k}): {len(limited)} point(s) had "
-            "trees that reached the last stored rank and may differ from the engine's "
+            f"warning: budgets above the trace's top-K ({header.top_k}): {len(limited)} point(s) "
+            "had trees that reached the last stored rank and may differ from the engine's "
             "(record with a larger `replay record --candidates`)"
         )
-    note(f"wrote {len(records)} acceptance records to {path}")
-    return 0
 
 
 def _pct(x: float | None) -> str:

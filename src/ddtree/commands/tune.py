@@ -73,42 +73,57 @@ def run(args: argparse.Namespace) -> int:
         from ddtree.extras import require_extra
 
         require_extra("report", "ddtree tune --report")
-    from ddtree.perf.inputs.acceptance import choose_trace, read_acceptance
-    from ddtree.perf.projection.calibrate import calibrate, training_anchors
-    from ddtree.perf.projection.estimate import load
-    from ddtree.perf.projection.tune import held_out, tune
+    from ddtree.perf.projection.tune import held_out
 
     hardware = [h for h in args.hardware.split(",") if h]
     if not hardware:
         raise ValueError("--hardware: expected at least one hardware key")
+    sf, measured, curves = tune_curves(args, hardware)
+    for note in sf.notes:  # the file's, and the physics warnings of the points swept
+        print(f"note: {note}", file=sys.stderr)
+    warnings = [w for w in (records_warning(sf, measured),) if w]
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    train = args.train_budgets or []
+    check = None
+    if train and "this-machine" in hardware:
+        check = held_out(curves, sf.anchors, "this-machine", train)
+    show_tune(args, curves, check, measured[0], sf.anchors, warnings)
+    return 0
+
+
+def show_tune(args: argparse.Namespace, curves, check, measured, anchors, warnings) -> None:
+    """The ``--report`` files, then the JSON document or the tables."""
+    if args.report:
+        from ddtree.commands._output import note
+
+        for path in write_report(curves, check, Path(args.report), anchors):
+            note(f"wrote {path}")
+    if args.json:
+        print(json.dumps({**to_json(curves, check, measured.trace), "warnings": warnings}))
+        return
+    from ddtree.commands._output import console
+
+    out = console()
+    for part in tune_text(curves, check, measured):
+        out.print(part, markup=False, highlight=False)
+
+
+def tune_curves(args: argparse.Namespace, hardware: list[str]):
+    """The scenario, the chosen trace's acceptance and the tuned curves: calibrated on the
+    ``--train-budgets`` runs only when given."""
+    from ddtree.perf.inputs.acceptance import choose_trace, read_acceptance
+    from ddtree.perf.projection.calibrate import calibrate, training_anchors
+    from ddtree.perf.projection.estimate import load
+    from ddtree.perf.projection.tune import tune
+
     sf = load(args.scenario, args.records, args.allow_oversubscribe)
     measured = choose_trace(read_acceptance(args.acceptance), args.trace, "--acceptance")
     train = args.train_budgets or []
     anchors = training_anchors(sf.anchors, train) if train else sf.anchors
     cal = calibrate(anchors, sf.specs, sf.fixed)
     curves = tune(sf, cal, hardware, measured, args.samples, args.seed, args.concurrency or ())
-    for note in sf.notes:  # the file's, and the physics warnings of the points swept
-        print(f"note: {note}", file=sys.stderr)
-    warnings = [w for w in (records_warning(sf, measured),) if w]
-    for warning in warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    check = None
-    if train and "this-machine" in hardware:
-        check = held_out(curves, sf.anchors, "this-machine", train)
-    if args.report:
-        from ddtree.commands._output import note
-
-        for path in write_report(curves, check, Path(args.report), sf.anchors):
-            note(f"wrote {path}")
-    if args.json:
-        print(json.dumps({**to_json(curves, check, measured[0].trace), "warnings": warnings}))
-        return 0
-    from ddtree.commands._output import console
-
-    out = console()
-    for part in tune_text(curves, check, measured[0]):
-        out.print(part, markup=False, highlight=False)
-    return 0
+    return sf, measured, curves
 
 
 def records_warning(sf, measured) -> str | None:
