@@ -25,14 +25,29 @@ The model is not linear in the parameters, so the Laplace Gaussian is only a pro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ddtree.perf.cost.step import ParamSpec, moe_layer_s, prefill_cost, step_cost
 from ddtree.perf.inputs.scenario import Anchor, MoeAnchor, StageAnchor, StepAnchor
 from ddtree.vocab import Stage
+
+
+def one_blas_thread(fn: Callable) -> Callable:
+    """Run ``fn`` with BLAS on one thread: its matrices are parameters x parameters (about
+    100 x 100), where a threaded BLAS only adds start-up and, on a busy machine, spins (a
+    120 x 120 pinv measured 1 s with 4 jobs on 2 cores, 2 ms on one thread)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with threadpool_limits(1, user_api="blas"):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 @dataclass
@@ -160,6 +175,7 @@ def _log_residuals(anchors: Sequence[Anchor], params: dict) -> list:
     return [np.log(np.asarray(predict(a, params)[1]) / measured(a)) / a.noise for a in anchors]
 
 
+@one_blas_thread
 def calibrate(
     anchors: Sequence[Anchor],
     specs: dict[str, ParamSpec],
@@ -305,6 +321,7 @@ def _ess(log_w: np.ndarray) -> tuple[float, np.ndarray]:
     return float(w.sum() ** 2 / (w**2).sum()), w / w.sum()
 
 
+@one_blas_thread
 def posterior_samples(cal: Calibration, n: int, rng: np.random.Generator) -> PosteriorDraws:
     """``n`` parameter vectors from the calibration's posterior.
 

@@ -6,11 +6,20 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 from ddtree.perf.cost.step import scoped_specs
 from ddtree.perf.inputs.consistency import mismatch_warning
 from ddtree.perf.inputs.fromrecords import anchors_from_records, measured_links, one_machine
 from ddtree.perf.inputs.scenario import ScenarioFile, StepAnchor, load_scenario
-from ddtree.perf.projection.calibrate import Backtest, Calibration, backtest, calibrate
+from ddtree.perf.projection.calibrate import (
+    Backtest,
+    Calibration,
+    PosteriorDraws,
+    backtest,
+    calibrate,
+    posterior_samples,
+)
 from ddtree.perf.projection.uncertainty import CaseResult, run_case
 from ddtree.records import BenchBandwidth, EngineRun, read_records
 
@@ -66,20 +75,25 @@ def load(
 
 
 def estimate(sf: ScenarioFile, samples: int = 10_000, seed: int = 0) -> Estimate:
-    cache: dict[tuple[str, ...], Calibration] = {}
+    """Every case of ``sf``. Cases calibrated on the same anchors share one calibration and
+    one set of posterior draws (the draws are most of an estimate's time, and common draws
+    make the cases' differences less noisy)."""
+    cache: dict[tuple[str, ...], tuple[Calibration, PosteriorDraws]] = {}
 
-    def cal_for(names: list[str] | None) -> Calibration:
+    def cal_for(names: list[str] | None) -> tuple[Calibration, PosteriorDraws]:
         key = tuple(a.name for a in sf.anchors) if names is None else tuple(names)
         if key not in cache:
             chosen = [a for a in sf.anchors if a.name in key]
-            cache[key] = calibrate(chosen, sf.specs, sf.fixed)
+            cal = calibrate(chosen, sf.specs, sf.fixed)
+            rng = np.random.default_rng([seed, len(cache)])
+            cache[key] = cal, posterior_samples(cal, samples, rng)
         return cache[key]
 
-    full = cal_for(None)
-    results = [
-        run_case(sf.model, case, cal_for(case.anchors), samples, seed + i)
-        for i, case in enumerate(sf.cases)
-    ]
+    full = cal_for(None)[0]
+    results = []
+    for i, case in enumerate(sf.cases):
+        cal, draws = cal_for(case.anchors)
+        results.append(run_case(sf.model, case, cal, samples, seed + i, draws))
     n_rec = sum(1 for a in sf.anchors if a.from_records)
     return Estimate(sf, full, results, n_rec)
 

@@ -85,11 +85,16 @@ def point_value(v: Value) -> float:
 
 
 def sample_inputs(
-    cal: Calibration, case: ScenarioCase, n: int, seed: int
+    cal: Calibration, case: ScenarioCase, n: int, seed: int, draws: PosteriorDraws | None = None
 ) -> tuple[dict[str, np.ndarray], np.ndarray, PosteriorDraws]:
-    """-> (parameter samples [n] each, tau samples [n], the posterior draws' diagnostics)."""
+    """-> (parameter samples [n] each, tau samples [n], the posterior draws' diagnostics).
+    ``draws``: the calibration's posterior already drawn (``n`` of them), shared by the cases
+    of one estimate; None draws them here."""
     rng = np.random.default_rng(seed)
-    draws = posterior_samples(cal, n, rng)
+    if draws is None:
+        draws = posterior_samples(cal, n, rng)
+    elif draws.n != n:
+        raise ValueError(f"draws: {draws.n} posterior draws for {n} samples")
     params = dict(draws.params)
     for name, v in case.overrides.items():
         params[name] = _draw(v, n, rng)
@@ -135,9 +140,16 @@ def _percentiles(x: np.ndarray) -> dict[int, float]:
 
 
 def run_case(
-    model: ModelShape, case: ScenarioCase, cal: Calibration, n: int = 10_000, seed: int = 0
+    model: ModelShape,
+    case: ScenarioCase,
+    cal: Calibration,
+    n: int = 10_000,
+    seed: int = 0,
+    draws: PosteriorDraws | None = None,
 ) -> CaseResult:
-    params, tau, draws = sample_inputs(cal, case, n, seed)
+    """The case's tok/s, step and speedup percentiles over ``n`` samples, its breakdown at the
+    point estimate and its tornado. ``draws``: ``sample_inputs``'s."""
+    params, tau, draws = sample_inputs(cal, case, n, seed, draws)
     cost = step_cost(model, case.point, params, tau)
     sigma = case_model_form(model, case, cal)
     form = np.exp(np.random.default_rng(seed + 1).normal(0.0, sigma, n))  # [n]
