@@ -92,3 +92,31 @@ def test_a_run_of_several_records_keeps_each_on_interrupt(tmp_path, capsys):
     assert report(args, result([bw("copy"), bw("read")]), lambda: pytest.fail("a table")) == 0
     assert f"wrote 2 bench_bandwidth records to {path}" in capsys.readouterr().err
     assert len(read_records(path)) == 2
+
+
+def test_points_that_announce_get_the_progress_tracker_and_keep_each_precision(tmp_path, capsys):
+    from ddtree.bench.moe import MoeBenchPoint, moe_result
+
+    path = tmp_path / "moe.jsonl"
+    args = argparse.Namespace(records=path, json=True)
+    pt = MoeBenchPoint(1, 1e-3, 1e-3, 1e-3, 2.0, 2.0, 100, 10, 4, 114, 1.14e5, 0.5)
+    configs = {
+        p: {"device": "cpu", "precision": p, "hidden_size": 4, "moe_intermediate_size": 2,
+            "n_routed_experts": 4, "top_k": 2}
+        for p in ("bfloat16", "int4")
+    }  # fmt: skip
+
+    def points(bar):
+        for precision in configs:
+            bar.announce(f"building the {precision} layer")
+            yield precision, pt
+        raise KeyboardInterrupt
+
+    signals._state.kept.clear()
+    with pytest.raises(KeyboardInterrupt):
+        measure(args, points, 3, lambda p: p[0], lambda done: moe_result(done, configs, 1e9, "x"))
+    assert "building the int4 layer" in capsys.readouterr().err
+    records = read_records(path)
+    assert [r.config["precision"] for r in records] == ["bfloat16", "int4"]
+    assert {r.config_extra["interrupted"] for r in records} == {"after 2 of 3 points"}
+    assert signals.kept() == {str(path): "2 bench_moe records of the first 2 of 3 points"}

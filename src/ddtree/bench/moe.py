@@ -429,6 +429,30 @@ def to_record(
     )
 
 
+def moe_result(
+    points: list[tuple[str, MoeBenchPoint]],
+    configs: dict[str, dict],
+    peak_bytes_per_s: float,
+    peak_source: str,
+):
+    """The bench_moe result of ``(precision, point)`` pairs: one record per precision (its
+    config from ``configs``), and the ``--json`` document of all of them."""
+    from ddtree.bench.result import BenchResult
+    from ddtree.provenance import this_hardware
+
+    hw = this_hardware()
+    by_precision: dict[str, list[MoeBenchPoint]] = {}
+    for precision, point in points:
+        by_precision.setdefault(precision, []).append(point)
+    parts = []
+    for precision, pts in by_precision.items():
+        record = to_record(pts, hw, configs[precision], peak_bytes_per_s, peak_source)
+        parts.append(BenchResult("bench_moe", record.config, record.summary, pts))
+    results = [{**p.config, **p.summary, "points": p.rows} for p in parts]
+    document = {"bench": "moe", "hardware": hw.label, "results": results}
+    return BenchResult("bench_moe", {}, {}, [pt for _, pt in points], document, parts)
+
+
 def total_weight_bytes(shape: MoeShape, precision: str, group_size: int = INT4_GROUP_SIZE) -> int:
     """All weights of one layer at ``precision`` (routed experts) + BF16 shared + FP32 router."""
     shared, router = fixed_weight_bytes(shape)

@@ -9,26 +9,27 @@ import argparse
 from collections.abc import Callable, Iterable
 
 from ddtree.bench.result import BenchResult
-from ddtree.commands._output import console, note, progress
+from ddtree.commands._output import Tracker, console, note, progress
 
 
 def measure(
     args: argparse.Namespace,
-    points: Iterable,
+    points: Iterable | Callable[[Tracker], Iterable],
     total: int | None,
     label: Callable[[object], str],
     result: Callable[[list], BenchResult],
     title: str = "timing",
 ) -> BenchResult:
     """``result`` of every point ``points`` yields (``label``: the progress line of each;
-    ``total`` None: no count known ahead). Points too few for a result (``result`` raises a
-    ValueError) keep no record on an interrupt."""
+    ``total`` None: no count known ahead). ``points`` may be a function of the progress
+    tracker, for points that announce their long steps (building a layer, say). Points too few
+    for a result (``result`` raises a ValueError) keep no record on an interrupt."""
     from ddtree.signals import keep
 
     done: list = []
     try:
         with progress(title, total=total) as bar:
-            for point in points:
+            for point in points(bar) if callable(points) else points:
                 bar.advance(label(point))
                 done.append(point)
     except KeyboardInterrupt:

@@ -150,110 +150,139 @@ def _peak(args: argparse.Namespace, device: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from rich.table import Table
+    from ddtree.bench.bandwidth import host_conditions
+    from ddtree.bench.moe import moe_result
+    from ddtree.commands._bench import measure, report
+    from ddtree.records import RecordError
 
-    from ddtree.bench.bandwidth import host_conditions, last_level_cache_bytes
-    from ddtree.bench.moe import bench_moe, build_layer, gib, to_record, total_weight_bytes
-    from ddtree.commands._output import console, note, progress
-    from ddtree.provenance import this_hardware
-    from ddtree.records import RecordError, write_records
-
-    if args.device == "auto":  # --device is one this machine has (the argument's type)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    else:
-        device = args.device
+    device = _device(args)
     set_threads(args)
     host = host_conditions()  # before we load the cores ourselves
     try:
         shape, source = _shape(args)
-        # the INT4 layer is packed from a BF16 one, so both exist for a moment
-        need = total_weight_bytes(shape, "bfloat16") + (
-            total_weight_bytes(shape, "int4", args.group_size) if "int4" in args.precisions else 0
-        )
-        from ddtree.models.loading.memory import available_bytes
-
-        free = available_bytes(device)
-        if free is not None and need > 0.8 * free:
-            raise ValueError(
-                f"{source}: one layer's weights need {gib(need):.1f} GiB, {device} has "
-                f"{gib(free):.1f} GiB free; scale it down with --hidden/--moe-intermediate/--experts"
-            )
+        _check_memory(args, shape, source, device)
         peak = _peak(args, device)
+        configs = _configs(args, device, shape, source, host)
+        result = measure(
+            args,
+            lambda bar: _points(args, shape, device, peak.bytes_per_s, bar),
+            len(args.precisions) * len(args.ms),
+            lambda point: f"{point[0]} M={point[1].m}",
+            lambda points: moe_result(points, configs, peak.bytes_per_s, peak.source),
+        )
     except (ValueError, RecordError) as exc:
         print(exc, file=sys.stderr)
         return 2
+    return report(args, result, lambda: _table(args, result))
+
+
+def _device(args: argparse.Namespace) -> str:
+    """--device, with auto as CUDA when torch sees it (it is one this machine has: the
+    argument's type)."""
+    import torch
+
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
+
+
+def _check_memory(args: argparse.Namespace, shape, source: str, device: str) -> None:
+    """A ValueError where one layer's weights need more than 80% of ``device``'s free memory
+    (the INT4 layer is packed from a BF16 one, so both exist for a moment)."""
+    from ddtree.bench.moe import gib, total_weight_bytes
+    from ddtree.models.loading.memory import available_bytes
+
+    need = total_weight_bytes(shape, "bfloat16") + (
+        total_weight_bytes(shape, "int4", args.group_size) if "int4" in args.precisions else 0
+    )
+    free = available_bytes(device)
+    if free is not None and need > 0.8 * free:
+        raise ValueError(
+            f"{source}: one layer's weights need {gib(need):.1f} GiB, {device} has "
+            f"{gib(free):.1f} GiB free; scale it down with --hidden/--moe-intermediate/--experts"
+        )
+
+
+def _configs(args: argparse.Namespace, device: str, shape, source: str, host: dict):
+    """The bench_moe record's config of each precision."""
+    import torch
+
+    from ddtree.bench.bandwidth import last_level_cache_bytes
+    from ddtree.bench.moe import total_weight_bytes
 
     threads = torch.get_num_threads()
     llc = last_level_cache_bytes() if device == "cpu" else None
+    return {
+        precision: {
+            "device": device,
+            "precision": precision,
+            "hidden_size": shape.hidden_size,
+            "moe_intermediate_size": shape.moe_intermediate_size,
+            "n_routed_experts": shape.n_routed_experts,
+            "top_k": shape.top_k,
+            "n_shared_experts": shape.n_shared_experts,
+            "n_group": shape.n_group,
+            "topk_group": shape.topk_group,
+            "group_size": args.group_size if precision == "int4" else None,
+            "activation_dtype": "bfloat16",
+            "model": shape.name,
+            "model_source": source,
+            "weights_total_bytes": total_weight_bytes(shape, precision, args.group_size),
+            "llc_bytes": llc,
+            "threads": threads,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "statistic": "median",
+            **host,
+            "routing": "random router rows of equal norm, Gaussian tokens, fresh per call",
+        }
+        for precision in args.precisions
+    }
+
+
+def _points(args: argparse.Namespace, shape, device: str, peak_bytes_per_s: float, bar):
+    """(precision, point) at every M, one precision's layer at a time; a layer its sizes cannot
+    build (INT4 groups) is a ValueError naming the arguments."""
+    from ddtree.bench.moe import bench_moe, build_layer
+
+    for precision in args.precisions:
+        bar.announce(f"building the {precision} layer")
+        try:
+            layer = build_layer(shape, device, args.seed, args.group_size, precision)
+        except ValueError as exc:
+            raise ValueError(f"arguments: {exc}") from None
+        for point in bench_moe(layer, shape, args.ms, peak_bytes_per_s, args.repeats, args.warmup):
+            yield precision, point
+        del layer
+
+
+def _table(args: argparse.Namespace, result):
+    from rich.table import Table
+
+    config, summary = result.parts[0].config, result.parts[0].summary
     table = Table(
-        title=f"ddtree bench moe: H={shape.hidden_size} I={shape.moe_intermediate_size} "
-        f"E={shape.n_routed_experts} k={shape.top_k} shared={shape.n_shared_experts}, "
-        f"{device}, {threads_label(args)}",
-        caption=f"{shape.name}. experts: measured distinct experts per forward; uniform: "
+        title=f"ddtree bench moe: H={config['hidden_size']} I={config['moe_intermediate_size']} "
+        f"E={config['n_routed_experts']} k={config['top_k']} shared={config['n_shared_experts']}, "
+        f"{config['device']}, {threads_label(args)}",
+        caption=f"{config['model']}. experts: measured distinct experts per forward; uniform: "
         f"E(1-(1-k/E)^M). MB moved: touched experts + shared + router + activations. "
-        f"Peak {peak.bytes_per_s / 1e9:.1f} GB/s: {peak.source}. 1 GB/s = 1e9 B/s.",
+        f"Peak {summary['peak_bytes_per_s'] / 1e9:.1f} GB/s: {summary['peak_source']}. "
+        "1 GB/s = 1e9 B/s.",
     )
     for col in ("prec", "M", "ms", "p10-p90 ms", "experts", "uniform", "MB", "GB/s", "%peak"):
         table.add_column(col, justify="right")
-    hw = this_hardware()
-    records, results = [], []
-    with progress("timing", total=len(args.precisions) * len(args.ms)) as bar:
-        for precision in args.precisions:
-            bar.announce(f"building the {precision} layer")
-            try:
-                layer = build_layer(shape, device, args.seed, args.group_size, precision)
-            except ValueError as exc:
-                print(f"arguments: {exc}", file=sys.stderr)
-                return 2
-            points = []
-            for pt in bench_moe(layer, shape, args.ms, peak.bytes_per_s, args.repeats, args.warmup):
-                bar.advance(f"{precision} M={pt.m}")
-                points.append(pt)
-                table.add_row(
-                    precision,
-                    str(pt.m),
-                    f"{pt.s_per_layer * 1e3:.2f}",
-                    f"{pt.p10_s * 1e3:.3g}-{pt.p90_s * 1e3:.3g}",
-                    f"{pt.experts_touched:.1f}",
-                    f"{pt.experts_touched_uniform:.1f}",
-                    f"{pt.bytes_moved / 1e6:.1f}",
-                    f"{pt.bytes_per_s / 1e9:.2f}",
-                    f"{100 * pt.fraction_of_peak:.0f}",
-                )
-            del layer
-            table.add_section()
-            config = {
-                "device": device,
-                "precision": precision,
-                "hidden_size": shape.hidden_size,
-                "moe_intermediate_size": shape.moe_intermediate_size,
-                "n_routed_experts": shape.n_routed_experts,
-                "top_k": shape.top_k,
-                "n_shared_experts": shape.n_shared_experts,
-                "n_group": shape.n_group,
-                "topk_group": shape.topk_group,
-                "group_size": args.group_size if precision == "int4" else None,
-                "activation_dtype": "bfloat16",
-                "model": shape.name,
-                "model_source": source,
-                "weights_total_bytes": total_weight_bytes(shape, precision, args.group_size),
-                "llc_bytes": llc,
-                "threads": threads,
-                "repeats": args.repeats,
-                "warmup": args.warmup,
-                "statistic": "median",
-                **host,
-                "routing": "random router rows of equal norm, Gaussian tokens, fresh per call",
-            }
-            record = to_record(points, hw, config, peak.bytes_per_s, peak.source)
-            records.append(record)
-            results.append({**record.config, **record.summary, "points": record.points})
-    if args.records:  # before stdout, which may be a closed pipe
-        write_records(args.records, records)
-        note(f"wrote {len(records)} bench_moe records to {args.records}")
-    if args.json:
-        print(json.dumps({"bench": "moe", "hardware": hw.label, "results": results}))
-    else:
-        console().print(table)
-    return 0
+    for part in result.parts:
+        for pt in part.points:
+            table.add_row(
+                part.config["precision"],
+                str(pt.m),
+                f"{pt.s_per_layer * 1e3:.2f}",
+                f"{pt.p10_s * 1e3:.3g}-{pt.p90_s * 1e3:.3g}",
+                f"{pt.experts_touched:.1f}",
+                f"{pt.experts_touched_uniform:.1f}",
+                f"{pt.bytes_moved / 1e6:.1f}",
+                f"{pt.bytes_per_s / 1e9:.2f}",
+                f"{100 * pt.fraction_of_peak:.0f}",
+            )
+        table.add_section()
+    return table

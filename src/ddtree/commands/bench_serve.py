@@ -22,7 +22,7 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -117,18 +117,24 @@ def _direct_pass(models, prompts: list[str], configs: list) -> DirectPass:
     return DirectPass(results, time.perf_counter() - t0)
 
 
-def _serving(args, prefix: str):
-    """(an ExitStack, the server context) for ``--url`` (nothing started: its context yields
-    None) or a ``ddtree serve`` started here, its log in a temporary folder that lives while it
-    runs (a start that fails quotes it in the error)."""
+@contextmanager
+def _server(args, prefix: str):
+    """The server under load: ``--url``'s (nothing started), or a ``ddtree serve`` started
+    here, its log in a temporary folder that lives while it runs (a start that fails quotes
+    it in the error). Yields (its base URL, the API key to send, the served model's id)."""
     from ddtree.serve.loadgen import server_process
 
-    stack = ExitStack()
-    if args.url:
-        return stack, nullcontext(None)
-    print("starting ddtree serve ...", file=sys.stderr, flush=True)
-    logs = stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix))
-    return stack, server_process(_server_args(args), Path(logs) / "serve.log")
+    with ExitStack() as stack:
+        server = None
+        if not args.url:
+            print("starting ddtree serve ...", file=sys.stderr, flush=True)
+            logs = stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix))
+            server = stack.enter_context(
+                server_process(_server_args(args), Path(logs) / "serve.log")
+            )
+        base_url = _base_url(args, server)
+        api_key = args.api_key if args.url else None
+        yield base_url, api_key, _model_id(base_url, api_key)
 
 
 def _base_url(args, server) -> str:
@@ -183,25 +189,15 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.extras import require_extra
 
     require_extra("serve", "ddtree bench serve")
-    from ddtree.serve.loadgen import LoadClient
-
     if args.flood:
         return _flood_run(args)
-    every = demo_prompts(args.prompts)
-    n = args.requests
-    # repeat r sends requests r*n .. r*n+n-1, cycling over the prompts (seeds follow them)
-    prompts = [every[i % len(every)] for i in range(n * args.repeats)]
-    config = decode_config(args, args.policy, engine_mode=args.engine_mode, eos_token_ids=())
-    configs = [replace(config, seed=args.seed + i) for i in range(len(prompts))]
-    body = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "ignore_eos": True}
-    body |= {"top_p": args.top_p, "top_k": args.top_k}
-    log = sys.stderr
+    prompts, configs = _requests(args)
     if args.url:  # a wrong URL fails now, before the models load
-        _model_id(f"{args.url.rstrip('/')}/v1", args.api_key)
+        _model_id(_base_url(args, None), args.api_key)
     threads = set_threads(args)
     print(
         f"loading the models for the in-process passes ({threads_label(args)}) ...",
-        file=log,
+        file=sys.stderr,
         flush=True,
     )
     need_drafter = configs[0].rules.needs_drafter
@@ -209,33 +205,56 @@ def run(args: argparse.Namespace) -> int:
         args, need_drafter, engine_modes=(args.engine_mode,), draft_vocab=args.draft_vocab
     )
     _direct_pass(models, prompts[:1], configs[:1])  # warm-up (compiles in compiled mode)
-    stack, starting = _serving(args, "ddtree-bench-serve-")
-    with stack, starting as server:
-        base_url = _base_url(args, server)
-        api_key = args.api_key if args.url else None
-        model = _model_id(base_url, api_key)
-        bodies = [
-            {**body, "model": model, "prompt": p, "seed": c.seed}
-            for p, c in zip(prompts, configs, strict=True)
-        ]
-        directs, passes = [], []
-        with LoadClient(base_url, args.concurrency, api_key) as client:
-            client.run(bodies[:1])  # warm-up: the connection, the first request
-            for r in range(args.repeats):
-                turn = slice(r * n, (r + 1) * n)
-                directs.append(_direct_pass(models, prompts[turn], configs[turn]))
-                passes.append(client.run(bodies[turn]))
-                errors = [t.error for t in passes[-1].requests if t.error]
-                if errors:
-                    raise ValueError(f"{len(errors)} of {n} requests failed: {errors[0]}")
-                print(
-                    f"repeat {r + 1}/{args.repeats}: in-process {directs[-1].makespan_s:.2f} s, "
-                    f"HTTP {passes[-1].makespan_s:.2f} s",
-                    file=log,
-                    flush=True,
-                )
+    with _server(args, "ddtree-bench-serve-") as (base_url, api_key, model):
+        bodies = _bodies(args, model, prompts, configs)
+        directs, passes = _passes(args, models, prompts, configs, bodies, base_url, api_key)
     _report(args, directs, passes, threads)
     return 0
+
+
+def _requests(args: argparse.Namespace) -> tuple[list[str], list]:
+    """Each request's prompt and decode config: repeat r sends requests r*n .. r*n+n-1
+    (n: --requests), cycling over the prompts, each with its own seed."""
+    every = demo_prompts(args.prompts)
+    prompts = [every[i % len(every)] for i in range(args.requests * args.repeats)]
+    config = decode_config(args, args.policy, engine_mode=args.engine_mode, eos_token_ids=())
+    return prompts, [replace(config, seed=args.seed + i) for i in range(len(prompts))]
+
+
+def _bodies(args: argparse.Namespace, model: str, prompts: list[str], configs: list) -> list:
+    """The completion requests' bodies: the in-process passes' prompts, seeds and sampling,
+    ignoring EOS."""
+    body = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "ignore_eos": True}
+    body |= {"top_p": args.top_p, "top_k": args.top_k}
+    return [
+        {**body, "model": model, "prompt": p, "seed": c.seed}
+        for p, c in zip(prompts, configs, strict=True)
+    ]
+
+
+def _passes(args, models, prompts, configs, bodies, base_url, api_key) -> tuple[list, list]:
+    """Each repeat's in-process pass, then its HTTP pass over the same requests (after one
+    warm-up request): their DirectPasses and HttpPasses. A failed request is a ValueError."""
+    from ddtree.serve.loadgen import LoadClient
+
+    n = args.requests
+    directs, passes = [], []
+    with LoadClient(base_url, args.concurrency, api_key) as client:
+        client.run(bodies[:1])  # warm-up: the connection, the first request
+        for r in range(args.repeats):
+            turn = slice(r * n, (r + 1) * n)
+            directs.append(_direct_pass(models, prompts[turn], configs[turn]))
+            passes.append(client.run(bodies[turn]))
+            errors = [t.error for t in passes[-1].requests if t.error]
+            if errors:
+                raise ValueError(f"{len(errors)} of {n} requests failed: {errors[0]}")
+            print(
+                f"repeat {r + 1}/{args.repeats}: in-process {directs[-1].makespan_s:.2f} s, "
+                f"HTTP {passes[-1].makespan_s:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    return directs, passes
 
 
 def _report(args: argparse.Namespace, directs: list, passes: list, threads: int) -> None:
@@ -323,13 +342,9 @@ def _flood_run(args: argparse.Namespace) -> int:
     import httpx
 
     log = sys.stderr
-    stack, starting = _serving(args, "ddtree-bench-flood-")
     prompt = demo_prompts(args.prompts)[0]
-    with stack, starting as server:
-        base_url = _base_url(args, server)
-        api_key = args.api_key if args.url else None
+    with _server(args, "ddtree-bench-flood-") as (base_url, api_key, model):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        model = _model_id(base_url, api_key)
         body = {"model": model, "prompt": prompt, "max_tokens": args.max_new_tokens,
                 "ignore_eos": True, "temperature": 0}  # fmt: skip
         # encoded once: the flooding clients' own CPU is not what is measured

@@ -97,25 +97,43 @@ def _modes(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from ddtree.bench.shapes import OracleRows, oracle_feeder
-    from ddtree.commands._output import console, note, progress
-    from ddtree.engine import DecodeConfig
-    from ddtree.engine.sweep import sweep_batched, sweep_rounds
-    from ddtree.models.oracle import OracleDrafter, parse_oracle_spec
-    from ddtree.models.presets import (
-        Preset,
-        check_fits,
-        memory_plan,
-        random_drafter,
-        random_target,
-    )
+    from ddtree.commands._output import note
+    from ddtree.models.oracle import parse_oracle_spec
     from ddtree.records import write_records
-    from ddtree.signals import deferred, keep
 
     oracle_spec = parse_oracle_spec(args.oracle)
     set_threads(args)
+    setup = _setup(args)  # the memory it needs checked before allocating
+    bandwidth = _bandwidth(args, setup.device)
+    kept = _keep_bandwidth(args, bandwidth[1])  # what --records holds from this run
+    sweep = _Sweep.start(args, setup, oracle_spec, bandwidth)
+    points = _decode(args, sweep, _configs(args, setup.block), kept)
+    report = sweep.report(points)
+    if args.records:
+        records = sweep.records(report, points)
+        write_records(args.records, records)
+        runs = f"{len(records)} engine_run records"
+        note(f"wrote {' and '.join([*kept, runs])} to {args.records}")
+    return _show(args, report)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    preset: object  # Preset
+    device: object  # torch.device
+    dtype: object  # torch.dtype
+    block: int  # the drafter's block size
+    max_len: int  # prompt, new tokens and a block
+
+
+def _setup(args: argparse.Namespace) -> _Setup:
+    """The preset on --device in --dtype; a ValueError where its weights, caches and widest
+    forward do not fit there, else a note of what they take."""
+    import torch
+
+    from ddtree.commands._output import note
+    from ddtree.models.presets import Preset, check_fits, memory_plan
+
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     preset = Preset.load(args.preset)
@@ -124,28 +142,31 @@ def run(args: argparse.Namespace) -> int:
     widths = [1, block, *(n + 1 for n in args.budgets)]
     rows = max(args.concurrency or [1])  # a forward carries every row's tree
     plan = memory_plan(preset, dtype, rows * (max_len + max(widths)) + 64, rows * max(widths))
-    check_fits(plan, device, f"preset {preset.name} in {args.dtype}")  # before allocating
+    check_fits(plan, device, f"preset {preset.name} in {args.dtype}")
     note(f"preset {preset.name} ({args.dtype}, {device}, {threads_label(args)}): {plan.describe()}")
-    bandwidth = _bandwidth(args, device)
-    kept = []  # what --records holds from this run
-    if args.records and bandwidth[1] is not None:  # appended now: kept if the sweep is cut
+    return _Setup(preset, device, dtype, block, max_len)
+
+
+def _keep_bandwidth(args: argparse.Namespace, record) -> list[str]:
+    """The bench_bandwidth ``record`` (None: not measured) appended to --records now, so an
+    interrupted sweep keeps it: what the file holds from this run, in words."""
+    from ddtree.records import write_records
+    from ddtree.signals import deferred, keep
+
+    kept = []
+    if args.records and record is not None:
         with deferred():  # no signal between the record landing and its being counted
-            write_records(args.records, [bandwidth[1]])
+            write_records(args.records, [record])
             kept.append("1 bench_bandwidth record")
             keep(args.records, kept[0])
+    return kept
 
-    n_tensors = sum(1 for _ in _tensor_names(preset))
-    with progress(f"random weights for {preset.name}", total=n_tensors) as bar:
-        tick = lambda n: bar.advance(f"{n / 1e6:.0f}M parameters")  # noqa: E731
-        target = random_target(preset, dtype, device, max_len + 64, args.seed, tick)
-        base = random_drafter(preset, target, args.seed + 1, tick, args.draft_vocab)
-        oracle = OracleDrafter(oracle_spec, base)
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = [
-        torch.randint(0, preset.target["vocab_size"], (args.context,), generator=gen).tolist()
-        for _ in range(args.prompts)
-    ]
-    configs = [
+
+def _configs(args: argparse.Namespace, block: int) -> list:
+    """AR, chain and DDTree at each budget, in each engine mode."""
+    from ddtree.engine import DecodeConfig
+
+    return [
         DecodeConfig(
             policy,
             block_size=block,
@@ -158,57 +179,141 @@ def run(args: argparse.Namespace) -> int:
         for policy, budget in (("ar", 1), ("chain", block - 1))
         + tuple(("ddtree", n) for n in args.budgets)
     ]
-    batched = OracleRows(oracle, prompts)
-    feed = batched.on_result if args.concurrency else oracle_feeder(oracle, prompts)
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """What the sweep decodes with: the random-weight target, the oracle over its random
+    drafter, the prompts, and the read bandwidth the rooflines divide by."""
+
+    args: argparse.Namespace
+    preset: object  # Preset
+    device: object  # torch.device
+    target: object
+    oracle: object  # OracleDrafter
+    prompts: list[list[int]]
+    bandwidth: tuple  # (read bytes/s, its bench_bandwidth record or None, its source)
+
+    @staticmethod
+    def start(args: argparse.Namespace, setup: _Setup, oracle_spec, bandwidth) -> _Sweep:
+        """Random weights for the preset's target and drafter, and ``--prompts`` random
+        prompts."""
+        import torch
+
+        from ddtree.commands._output import progress
+        from ddtree.models.oracle import OracleDrafter
+        from ddtree.models.presets import random_drafter, random_target
+
+        preset = setup.preset
+        n_tensors = sum(1 for _ in _tensor_names(preset))
+        with progress(f"random weights for {preset.name}", total=n_tensors) as bar:
+            tick = lambda n: bar.advance(f"{n / 1e6:.0f}M parameters")  # noqa: E731
+            target = random_target(
+                preset, setup.dtype, setup.device, setup.max_len + 64, args.seed, tick
+            )
+            base = random_drafter(preset, target, args.seed + 1, tick, args.draft_vocab)
+            oracle = OracleDrafter(oracle_spec, base)
+        gen = torch.Generator().manual_seed(args.seed)
+        prompts = [
+            torch.randint(0, preset.target["vocab_size"], (args.context,), generator=gen).tolist()
+            for _ in range(args.prompts)
+        ]
+        return _Sweep(args, preset, setup.device, target, oracle, prompts, bandwidth)
+
+    def report(self, points, done: int | None = None) -> ShapesReport:
+        """The table's rows over the first ``done`` prompts (None: all; ``points`` cover
+        them)."""
+        import torch
+
+        oracle, bandwidth = self.oracle, self.bandwidth
+        return ShapesReport(
+            preset=self.preset,
+            dtype=self.args.dtype,
+            device=str(self.device),
+            threads=torch.get_num_threads(),
+            compile_scope=self.args.compile_scope,
+            oracle=oracle.info.name,
+            draft_vocab=oracle.info.draft_vocab,
+            bandwidth_bytes_per_s=bandwidth[0],
+            bandwidth_source=bandwidth[2],
+            rows=_rows(points, self.target, oracle, self.prompts[:done], self.preset, bandwidth[0]),
+        )
+
+    def records(self, report: ShapesReport, points, done: int | None = None) -> list:
+        """The engine_run records of ``report`` over the first ``done`` prompts (None: all;
+        else each marked interrupted)."""
+        prompts = self.prompts[:done]
+        if done is None:
+            return report.records(points, self.target, self.oracle, prompts)
+        extra = {"interrupted": f"after {done} of {len(self.prompts)} prompts"}
+        return report.records(points, self.target, self.oracle, prompts, extra)
+
+
+def _decode(args: argparse.Namespace, sweep: _Sweep, configs: list, kept: list[str]) -> list:
+    """Every config over every prompt (at every --concurrency), with progress: their points.
+    Interrupted with --records, the points over the prompts every config finished are
+    appended first (``kept``: what the file already holds from this run)."""
+    from ddtree.commands._output import progress
+
     points = []  # over the prompts every config has finished so far
     levels = args.concurrency or [1]
     try:
-        with progress("decoding", total=len(configs) * len(prompts) * len(levels)) as bar:
-
-            def on_result(config, i, result):
-                feed(config, i, result)
-                bar.advance(
-                    f"{config.engine_mode} {config.policy} N={config.budget} prompt {i + 1}"
-                )
-
-            def on_warmup(config):
-                if config.engine_mode != "eager":
-                    bar.announce(
-                        f"warm-up of {config.policy} N={config.budget}: compiling its widths"
-                    )
-
-            if args.concurrency:  # each (C, config) over every prompt, a request per row
-                rounds = sweep_batched(
-                    target, oracle, prompts, configs, args.concurrency, on_result=on_result,
-                    on_warmup=on_warmup, drafter_for=batched.drafter_for,
-                )  # fmt: skip
-            else:
-                rounds = sweep_rounds(
-                    target, oracle, prompts, configs, on_result=on_result, on_warmup=on_warmup
-                )
-            for finished in rounds:
+        total = len(configs) * len(sweep.prompts) * len(levels)
+        with progress("decoding", total=total) as bar:
+            for finished in _rounds(args, sweep, configs, bar):
                 points = finished
     except KeyboardInterrupt:
         if points and args.records:
-            done = len(points[0].results)
-            report = _report(
-                args, preset, device, oracle, prompts[:done], bandwidth, points, target
-            )
-            extra = {"interrupted": f"after {done} of {len(prompts)} prompts"}
-            records = report.records(points, target, oracle, prompts[:done], extra)
-            write_records(args.records, records)
-            runs = (
-                f"{len(records)} engine_run records over the first {done} of {len(prompts)} prompts"
-            )
-            keep(args.records, " and ".join([*kept, runs]))
+            _keep_finished(args, sweep, points, kept)
         raise
-    report = _report(args, preset, device, oracle, prompts, bandwidth, points, target)
-    if args.records:
-        records = report.records(points, target, oracle, prompts)
-        write_records(args.records, records)
-        note(
-            f"wrote {' and '.join([*kept, f'{len(records)} engine_run records'])} to {args.records}"
-        )
+    return points
+
+
+def _rounds(args: argparse.Namespace, sweep: _Sweep, configs: list, bar):
+    """The sweep's rounds (engine.sweep): each (C, config) over every prompt, a request per
+    row, with --concurrency; else one prompt at a time."""
+    from ddtree.bench.shapes import OracleRows, oracle_feeder
+    from ddtree.engine.sweep import sweep_batched, sweep_rounds
+
+    target, oracle, prompts = sweep.target, sweep.oracle, sweep.prompts
+    batched = OracleRows(oracle, prompts)
+    feed = batched.on_result if args.concurrency else oracle_feeder(oracle, prompts)
+
+    def on_result(config, i, result):
+        feed(config, i, result)
+        bar.advance(f"{config.engine_mode} {config.policy} N={config.budget} prompt {i + 1}")
+
+    def on_warmup(config):
+        if config.engine_mode != "eager":
+            bar.announce(f"warm-up of {config.policy} N={config.budget}: compiling its widths")
+
+    if args.concurrency:
+        return sweep_batched(
+            target, oracle, prompts, configs, args.concurrency, on_result=on_result,
+            on_warmup=on_warmup, drafter_for=batched.drafter_for,
+        )  # fmt: skip
+    return sweep_rounds(target, oracle, prompts, configs, on_result=on_result, on_warmup=on_warmup)
+
+
+def _keep_finished(args: argparse.Namespace, sweep: _Sweep, points, kept: list[str]) -> None:
+    """The engine_run records over the prompts every config finished, appended and named
+    (with ``kept``) for the interrupt's line."""
+    from ddtree.records import write_records
+    from ddtree.signals import keep
+
+    done = len(points[0].results)
+    records = sweep.records(sweep.report(points, done), points, done)
+    write_records(args.records, records)
+    runs = (
+        f"{len(records)} engine_run records over the first {done} of {len(sweep.prompts)} prompts"
+    )
+    keep(args.records, " and ".join([*kept, runs]))
+
+
+def _show(args: argparse.Namespace, report: ShapesReport) -> int:
+    """The warnings on stderr, then one JSON line (--json) or the table and its conclusions."""
+    from ddtree.commands._output import console, note
+
     for line in report.warnings():
         note(line)
     if args.json:
@@ -219,24 +324,6 @@ def run(args: argparse.Namespace) -> int:
     for line in report.conclusions():
         out.print(line, markup=False)
     return 0
-
-
-def _report(args, preset, device, oracle, prompts, bandwidth, points, target) -> ShapesReport:
-    """The table's rows over ``prompts`` (the ones ``points`` cover)."""
-    import torch
-
-    return ShapesReport(
-        preset=preset,
-        dtype=args.dtype,
-        device=str(device),
-        threads=torch.get_num_threads(),
-        compile_scope=args.compile_scope,
-        oracle=oracle.info.name,
-        draft_vocab=oracle.info.draft_vocab,
-        bandwidth_bytes_per_s=bandwidth[0],
-        bandwidth_source=bandwidth[2],
-        rows=_rows(points, target, oracle, prompts, preset, bandwidth[0]),
-    )
 
 
 def _tensor_names(preset):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 
 from ddtree.commands._args import records_file, threads_label
 from ddtree.commands._decode import (
@@ -123,45 +124,78 @@ def prompt_text(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ddtree.commands._output import note
-    from ddtree.engine import generate
-    from ddtree.engine.stop import IncrementalText
 
     config = decode_config(
         args, args.policy, stop_strings=tuple(args.stop), engine_mode=args.engine_mode
     )
-    if args.messages is not None:
-        name = "stdin" if args.messages == STDIN else args.messages
-        messages = read_messages(_read(args.messages, "--messages"), name)
-    else:
-        text_in = prompt_text(args)
-        messages = [{"role": "user", "content": text_in}] if args.chat else None
-    policy = config.rules
-    template = None
-    if messages is not None:  # a missing or failing template fails before the models load
-        from ddtree.serve.chat import ChatTemplate
-
-        target_path, _ = model_paths(args, policy.needs_drafter)
-        template = ChatTemplate.load(target_path)
-        prompt_ids, echo = template.prompt_ids(messages), ""
+    prompt = _Prompt.read(args, config.rules.needs_drafter)  # before the models load
     models = load_models(
         args,
-        need_drafter=policy.needs_drafter,
+        need_drafter=config.rules.needs_drafter,
         engine_modes=(args.engine_mode,),
         draft_vocab=args.draft_vocab,
     )
-    codec = models.codec
-    if template is None:
-        prompt_ids, echo = codec.encode(text_in), text_in
-    if not prompt_ids:
-        raise ValueError("the prompt encodes to no tokens; give some text")
+    prompt_ids = prompt.token_ids(models.codec)
+    result = _stream(args, models, prompt_ids, prompt.echo, config)
+    if args.records and result.steps:
+        from ddtree.records import write_records
+
+        chat = prompt.messages is not None
+        write_records(args.records, [_record(args, models, config, result, prompt_ids, chat)])
+    if args.stats:
+        note(_stats(args, result))
+    return 0
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """The prompt as given: text, echoed before the completion; or chat messages (``--chat``,
+    ``--messages``) rendered to token ids by the checkpoint's chat template, with nothing
+    echoed (only the reply is printed)."""
+
+    echo: str
+    messages: list[dict[str, str]] | None = None
+    ids: list[int] | None = None  # the chat's, rendered before the models load
+
+    @staticmethod
+    def read(args: argparse.Namespace, needs_drafter: bool) -> _Prompt:
+        """From --prompt, --prompt-file or --messages; a missing or failing template fails
+        here, before the models load."""
+        if args.messages is not None:
+            name = "stdin" if args.messages == STDIN else args.messages
+            messages = read_messages(_read(args.messages, "--messages"), name)
+        else:
+            text = prompt_text(args)
+            if not args.chat:
+                return _Prompt(text)
+            messages = [{"role": "user", "content": text}]
+        from ddtree.serve.chat import ChatTemplate
+
+        target_path, _ = model_paths(args, needs_drafter)
+        return _Prompt("", messages, ChatTemplate.load(target_path).prompt_ids(messages))
+
+    def token_ids(self, codec) -> list[int]:
+        """The prompt's token ids (text: encoded by ``codec``); a ValueError where none."""
+        ids = self.ids if self.ids is not None else codec.encode(self.echo)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens; give some text")
+        return ids
+
+
+def _stream(args: argparse.Namespace, models, prompt_ids: list[int], echo: str, config):
+    """Generate, writing ``echo`` and then what each step adds to stdout: decoded
+    incrementally after the prompt's tokens, so pieces that merge across the boundary
+    (spaces, multi-byte characters) come out right."""
+    from ddtree.commands._output import note
+    from ddtree.engine import generate
+    from ddtree.engine.stop import IncrementalText
+
     if args.engine_mode != "eager":
         note(
             "compiling the engine's graphs first (tens of seconds per width on a small CPU; "
             "cached on disk for later runs) ..."
         )
-    # print what each step adds, decoded incrementally after the prompt's tokens, so pieces
-    # that merge across the boundary (spaces, multi-byte characters) come out right
-    text = IncrementalText(codec)
+    text = IncrementalText(models.codec)
     for token in prompt_ids:
         text.push(token)
 
@@ -170,32 +204,37 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     sys.stdout.write(echo)
-    result = generate(models.target, models.drafter, prompt_ids, config, codec, on_commit=stream)
+    result = generate(
+        models.target, models.drafter, prompt_ids, config, models.codec, on_commit=stream
+    )
     sys.stdout.write("\n")
-    if args.records and result.steps:
-        from ddtree.engine import engine_run_record
-        from ddtree.records import write_records
+    return result
 
-        drafter = models.drafter if policy.needs_drafter else None
-        record = engine_run_record(
-            [result],
-            config,
-            models.target.info,
-            models.target_path,
-            None if drafter is None else drafter.info,
-            models.drafter_path,
-            device=args.device,
-            prompt_lens=[len(prompt_ids)],
-            extra={"chat": messages is not None},
-        )
-        write_records(args.records, [record])
-    if args.stats:
-        steps = len(result.steps)
-        tok_s = sum(result.taus) / result.decode_s if result.decode_s else 0.0
-        compiled = f", compile {result.compile_s:.1f} s" if args.engine_mode != "eager" else ""
-        note(
-            f"[{args.policy}, {args.engine_mode}, {threads_label(args)}] {len(result.tokens)} "
-            f"tokens, {steps} steps, mean tau {result.mean_tau:.2f}, {tok_s:.1f} tok/s, stop: "
-            f"{result.stop_reason}{compiled}"
-        )
-    return 0
+
+def _record(args: argparse.Namespace, models, config, result, prompt_ids: list[int], chat: bool):
+    """The run's engine_run record (the drafter only where the policy drafts)."""
+    from ddtree.engine import engine_run_record
+
+    drafter = models.drafter if config.rules.needs_drafter else None
+    return engine_run_record(
+        [result],
+        config,
+        models.target.info,
+        models.target_path,
+        None if drafter is None else drafter.info,
+        models.drafter_path,
+        device=args.device,
+        prompt_lens=[len(prompt_ids)],
+        extra={"chat": chat},
+    )
+
+
+def _stats(args: argparse.Namespace, result) -> str:
+    """--stats: tokens, steps, tau, tokens/s and why it stopped, in one line."""
+    tok_s = sum(result.taus) / result.decode_s if result.decode_s else 0.0
+    compiled = f", compile {result.compile_s:.1f} s" if args.engine_mode != "eager" else ""
+    return (
+        f"[{args.policy}, {args.engine_mode}, {threads_label(args)}] {len(result.tokens)} "
+        f"tokens, {len(result.steps)} steps, mean tau {result.mean_tau:.2f}, {tok_s:.1f} tok/s, "
+        f"stop: {result.stop_reason}{compiled}"
+    )
