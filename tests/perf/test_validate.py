@@ -75,7 +75,7 @@ def test_bundled_corpus_is_scored_train_and_test(capsys):
     assert sum(s["points"] for s in doc["by_source"].values()) == len(rows)
     # issue 27: at least 45 test points; the scores themselves are reported, not asserted
     assert doc["test"]["points"] >= 45
-    assert set(doc["model_form_sigma"]) == {"ar", "speculative", "speedup"}
+    assert set(doc["model_form_sigma"]) == {"ar", "eager", "speculative", "speedup"}
     for row in rows:
         if abs(row["rel_error"]) > doc["explain_above"]:
             assert row["explanation"] or row["point"] in doc["unexplained"], row["point"]

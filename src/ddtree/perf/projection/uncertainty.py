@@ -42,14 +42,19 @@ def _model_form() -> dict:
 
 
 def model_form_sigma(kind: str = "ar") -> float:
-    """The fitted model-form error (relative 1 sigma) of a step of ``kind`` ("ar" or
-    "speculative"), or of a speedup over AR ("speedup"): ``data/model_form.toml``."""
+    """The fitted model-form error (relative 1 sigma) of a step of ``kind``
+    (``model_form_kind``), or of a speedup over AR ("speedup"): ``data/model_form.toml``."""
     return float(_model_form()["sigma"][kind])
 
 
 def model_form_kind(point) -> str:
-    """'speculative' or 'ar': the model-form error is fitted for each apart (a speculative
-    step adds costs an AR step has not, so the model's error there is its own)."""
+    """'eager', 'speculative' or 'ar': the model-form error is fitted for each apart. A
+    speculative step adds costs an AR step has not, so the model's error there is its own; an
+    eager engine's step (Python dispatch: HF transformers, eager research code) varies with
+    the library's version and the model's code far more than a serving engine's (the corpus's
+    eager sources disagree 2-3x on one setup), so its bands are its own, AR or speculative."""
+    if point.engine == "eager":
+        return "eager"
     return "speculative" if point.policy.needs_drafter else "ar"
 
 
@@ -73,6 +78,8 @@ def case_model_form(model: ModelShape, case: ScenarioCase, cal: Calibration) -> 
 
 
 def _draw(v: Value, n: int, rng: np.random.Generator) -> np.ndarray:
+    if isinstance(v, Range) and v.low == v.high:  # [1, 1, 1]: a point (triangular refuses it)
+        return np.full(n, float(v.low))
     if isinstance(v, Range):
         if v.mode is not None:
             return rng.triangular(v.low, v.mode, v.high, n)

@@ -502,7 +502,7 @@ def validate(points: list[ValidationPoint], samples: int = 2000, seed: int = 0) 
     rows = []
     rng = np.random.default_rng(seed + 7)
     pcts = sorted({p for b in BANDS for p in b} | {50})
-    kinds = ("ar", "speculative")
+    kinds = sorted({kind_of(h.point) for h in held})
     for h in held:
         key, kind = h.point.source.key, kind_of(h.point)
         same = [x for x in held if x.point.source.key != key and kind_of(x.point) == kind]
