@@ -218,6 +218,7 @@ class RowsTarget:
         self.lengths = [0] * max_rows  # committed tokens per row
         self._pending: dict[int, int] = {}  # row -> M of its last verify segment
         self.plan = EnginePlan()
+        self._run = self._run_eager  # the runner of the plan's mode, chosen in set_engine_mode
         self._compiled: CompiledForward | None = None
         self._static: dict[int, PackedInputs] = {}  # width bucket -> its preallocated inputs
         self._warm: set[tuple[int, tuple[int, ...]]] = set()  # (width, capture) compiled
@@ -232,6 +233,7 @@ class RowsTarget:
         self.lengths = [0] * self.max_rows
         self._pending.clear()
         if plan.mode == "eager":
+            self._run = self._run_eager
             return 0.0
         if self.cache.capacity < self.spare + plan.widths[-1]:
             self.cache = self.target.new_cache(self.spare + plan.widths[-1])
@@ -250,6 +252,7 @@ class RowsTarget:
             pack([root], self.lengths, self.row_capacity, static, self.spare)
             compile_s += self._compiled.warm_up(lambda s=static: self._run_compiled(s))
             self._warm.add((width, self.capture_layers))
+        self._run = self._run_bucketed
         return compile_s
 
     def release(self, row: int) -> None:
@@ -272,18 +275,7 @@ class RowsTarget:
                     f"row {s.row}: {have} cached + {m} new tokens exceed its region of "
                     f"{self.row_capacity} slots (raise the row capacity)"
                 )
-        total = sum(int(s.tokens.shape[0]) for s in segments)
-        width = next((w for w in self.plan.widths if w >= total), None)
-        if self.plan.mode != "eager" and width is not None:
-            inputs = pack(
-                segments, self.lengths, self.row_capacity, self._static[width], self.spare
-            )
-            logits, hidden = self._run_compiled(inputs)
-        else:
-            inputs = pack(segments, self.lengths, self.row_capacity)
-            logits, hidden = forward_rows(
-                self.target.model, *inputs.fields(), self.cache.tensors(), self.capture_layers
-            )
+        inputs, (logits, hidden) = self._run(segments)
         outs, at = [], 0
         for s in segments:
             m = int(s.tokens.shape[0])
@@ -293,6 +285,24 @@ class RowsTarget:
             self._pending[s.row] = m
             at += m
         return outs
+
+    def _run_eager(self, segments: list[Segment]):
+        """Eager mode's runner: the segments packed as they are, one eager forward."""
+        inputs = pack(segments, self.lengths, self.row_capacity)
+        caches = self.cache.tensors()
+        return inputs, forward_rows(
+            self.target.model, *inputs.fields(), caches, self.capture_layers
+        )
+
+    def _run_bucketed(self, segments: list[Segment]):
+        """Compiled mode's runner: the smallest width bucket that holds the segments, or eagerly
+        when none does (a joining prompt longer than the buckets)."""
+        total = sum(int(s.tokens.shape[0]) for s in segments)
+        width = next((w for w in self.plan.widths if w >= total), None)
+        if width is None:
+            return self._run_eager(segments)
+        inputs = pack(segments, self.lengths, self.row_capacity, self._static[width], self.spare)
+        return inputs, self._run_compiled(inputs)
 
     def _run_compiled(self, inputs: PackedInputs):
         caches = tuple(cache_input(c, self.cache.capacity_dim) for c in self.cache.tensors())
