@@ -345,9 +345,7 @@ def test_auto_builds_the_next_tree_at_twice_its_choice():
     assert next_build(3, 5) == 5  # never past the request's own budget
 
 
-def test_generate_with_auto_budget_equals_ar_and_verifies_smaller_trees(
-    target, pool, monkeypatch
-):
+def test_generate_with_auto_budget_equals_ar_and_verifies_smaller_trees(target, pool, monkeypatch):
     """generate --budget auto: greedy output still equals AR, every verified tree is within
     the request's budget, and the trees follow the choice (not all of the largest size). The
     verify cost is given, not timed (a measured curve on a busy machine can come out flat,
