@@ -4,7 +4,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # pytest marker expression: fast tests by default; CI runs the slow ones too.
 PYTEST_MARK ?= not slow and not gpu
-PYTEST_ARGS ?=
+# one test process per core (pytest-xdist); a test file's tests stay on one process
+PYTEST_ARGS ?= -n auto --dist loadfile
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ddtree-installed
 
