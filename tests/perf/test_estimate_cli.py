@@ -140,7 +140,14 @@ def test_cli_table_json_explain_report(capsys, tmp_path):
             assert t["p10"] == pytest.approx(rate / step["p90"], rel=1e-4), s["name"]
             assert t["p90"] == pytest.approx(rate / step["p10"], rel=1e-4), s["name"]
     rc, out, _ = _run(capsys, str(EXAMPLE), "--explain", "--samples", "500")
-    for label in ("[measured]", "[catalog (", "[derived", "[assumed", "fitted"):
+    for label in (
+        "[measured]",
+        "[catalog (",
+        "[derived",
+        "[assumed",
+        "fitted",
+        "corpus fit (prior)",
+    ):
         assert label in out, label
     assert "E(1-(1-k/E)^(M*C))" in out
     rc, _, err = _run(capsys, "--report", str(tmp_path / "rep"), "--samples", "500")

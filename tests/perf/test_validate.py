@@ -354,3 +354,59 @@ def test_model_form_file_is_what_validation_fits():
     train = v.part("train")
     assert (data["points"], data["sources"]) == (
         len(train), len({r.point.source.key for r in train}))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_corpus_prior_file_is_the_train_fit():
+    """data/corpus_prior.toml is what scripts/fit_corpus_prior.py fits on today's train split."""
+    from ddtree.perf.cost.step import corpus_prior
+
+    fit, file = corpus.corpus_prior(), corpus_prior()
+    assert (file.points, file.sources) == (fit.points, fit.sources)
+    assert set(file.values) == set(fit.values)
+    for name, value in fit.values.items():
+        assert file.values[name] == pytest.approx(value, rel=1e-4), name
+
+
+def test_validation_never_reads_the_corpus_prior(tmp_path, monkeypatch):
+    """The corpus prior holds every train source: a leave-one-source-out that started from it
+    would have seen the source it predicts. ``--validate`` fits from the hand-set defaults."""
+    import ddtree.perf.cost.step as step
+
+    def refuse():
+        raise AssertionError("validation read the corpus prior")
+
+    monkeypatch.setattr(step, "corpus_prior", refuse)
+    truth = params_at(default_params(), {"weights_efficiency": 0.62, "graphs.step_overhead": 1e-3})
+    for key, hw in ((A, "h100-sxm"), (B, "h200"), (C, "b200")):
+        _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth)])
+    assert len(corpus.run(tmp_path, samples=100).rows) == 3
+
+
+def test_a_scenario_starts_from_the_corpus_prior_and_keeps_its_own_engine_table(tmp_path):
+    """A scenario's priors are centred on the corpus's train fit, their widths the defaults';
+    an [engine] time the scenario sets is its own. With no anchor, the point estimate is the
+    corpus fit itself."""
+    from ddtree.perf.cost.step import corpus_prior
+    from ddtree.perf.projection.estimate import estimate, load
+
+    path = tmp_path / "bare.toml"
+    path.write_text(
+        '[model]\npreset = "llama-3.1-8b"\n[deployment]\nengine = "graphs"\n'
+        '[engine.eager]\nstep_overhead = "2 ms"\n'
+        '[[scenario]]\nname = "h100"\nhardware = "h100-sxm"\npolicy = "ar"\n',
+        encoding="utf-8",
+    )
+    sf = load(path)
+    prior, defaults = corpus_prior(), default_params()
+    vllm = sf.specs["stack_host.vllm"]
+    assert vllm.default == prior.values["stack_host.vllm"] != defaults["stack_host.vllm"].default
+    assert (vllm.low, vllm.high) == (
+        defaults["stack_host.vllm"].low,
+        defaults["stack_host.vllm"].high,
+    )
+    assert "corpus_prior.toml" in vllm.about
+    assert sf.specs["eager.step_overhead"].default == pytest.approx(2e-3)  # the scenario's own
+    got = estimate(sf, samples=200).results[0].point_params
+    for name in ("weights_efficiency", "graphs.step_overhead", "gen_efficiency.hopper"):
+        assert got[name] == pytest.approx(prior.values[name], rel=1e-6), name

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import cache
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 
@@ -75,6 +76,7 @@ class ParamSpec:
     unit: str  # "" for a fraction, "s" for seconds
     fit: bool
     about: str
+    centre: str = "assumed"  # where ``default`` is from: "assumed" (set by hand) or "corpus"
 
 
 LINK_CLASSES = ("pcie", "nvlink", "fabric", "inter_node")
@@ -335,9 +337,50 @@ ENGINE_ALIASES = {"python": "eager"}
 
 
 def default_params(engines: dict[str, EngineProfile] | None = None) -> dict[str, ParamSpec]:
+    """Every parameter with its hand-set prior (what ``--validate`` fits from: no source's
+    measurements are in it)."""
     specs = dict(BASE_PARAMS)
     for eng in (engines or ENGINES).values():
         specs.update(eng.specs())
+    return specs
+
+
+CORPUS_PRIOR_FILE = Path(str(resources.files("ddtree.perf").joinpath("data/corpus_prior.toml")))
+
+
+@dataclass(frozen=True)
+class CorpusPrior:
+    """The cost model fitted on the corpus's train split (data/corpus_prior.toml)."""
+
+    values: dict[str, float]
+    points: int
+    sources: int
+
+
+@cache
+def corpus_prior() -> CorpusPrior:
+    data = tomllib.loads(CORPUS_PRIOR_FILE.read_text(encoding="utf-8"))
+    return CorpusPrior(dict(data["values"]), int(data["points"]), int(data["sources"]))
+
+
+def corpus_params(
+    engines: dict[str, EngineProfile] | None = None, keep: frozenset[str] = frozenset()
+) -> dict[str, ParamSpec]:
+    """``default_params`` with each prior centred on the corpus's train fit (``corpus_prior``),
+    its width as it was: what ``ddtree estimate`` starts a scenario from, so a question with no
+    anchor of its own gets what the published measurements say. ``keep``: names whose default
+    the scenario itself set (its [engine] tables), left as they are. Example: the defaults put
+    ``stack_host.vllm`` at 1.0; the train fit at about 1.9 (vLLM's per-step host cost)."""
+    fit = corpus_prior()
+    specs = default_params(engines)
+    for name, spec in specs.items():
+        if name in fit.values and name not in keep:
+            value = fit.values[name]  # may lie past the plausible range the width is from
+            about = (
+                f"{spec.about}; centred on the train fit of the corpus ({fit.points} points, "
+                f"{fit.sources} sources: data/corpus_prior.toml; default {spec.default:.4g})"
+            )
+            specs[name] = replace(spec, default=value, about=about, centre="corpus")
     return specs
 
 

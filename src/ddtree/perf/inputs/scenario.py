@@ -25,7 +25,8 @@ from ddtree.perf.cost.step import (
     EngineProfile,
     ParamSpec,
     Point,
-    default_params,
+    corpus_params,
+    engine_param,
     mixed_deployment,
 )
 from ddtree.perf.hardware import units as u
@@ -723,6 +724,7 @@ def _parse(
     hardware = hardware_tables(data.get("hardware"), where, {**load_catalog(), **records_hw})
     links = link_tables(data.get("link"), where)
     engines = dict(ENGINES)
+    own = set()  # engine parameters the scenario set itself: its values, not the corpus's
     for name, entry in (data.get("engine") or {}).items():
         w = f"{where}: engine.{name}"
         base = engines.get(name, ENGINES["eager"])
@@ -730,7 +732,8 @@ def _parse(
                  if f in entry}  # fmt: skip
         about = entry.get("about", base.about)
         engines[name] = replace(base, name=name, about=about, **times)
-    specs = default_params(engines)
+        own |= {engine_param(name, f) for f in ENGINE_PARAMS if f in entry}
+    specs = corpus_params(engines, frozenset(own))
     fixed = {}
     for name, raw in (data.get("parameters") or {}).items():
         w = f"{where}: parameters.{name}"

@@ -80,14 +80,14 @@ def calibration_warnings(est: Estimate) -> list[str]:
     if not est.scenario.anchors:
         return [
             "nothing is calibrated: the scenario has no anchors and no --records, so every "
-            "parameter is its prior [assumed] and every range is the priors' and the cost "
-            "model's own error"
+            "parameter is its prior (centred on the corpus's train fit, data/corpus_prior.toml) "
+            "and every range is the priors' and the cost model's own error"
         ]
     out = [records_warning(est.scenario)]
     bare = [r.case.name for r in est.results if not r.calibration.anchors_used]
     if bare:
         out.append(f"calibrated on no anchor (its anchors list is empty), every parameter its "
-                   f"prior [assumed]: {', '.join(bare)}")  # fmt: skip
+                   f"prior (the corpus's train fit): {', '.join(bare)}")  # fmt: skip
     return [w for w in out if w]
 
 
@@ -351,7 +351,8 @@ def _calibration_lines(est: Estimate) -> list[str]:
     shown = [n for n in c.names if _scope(n, est) not in unused]
     for n in shown:
         spec = sf.specs[n]
-        lab = {"prior": "assumed (prior)"}.get(c.status(n), c.status(n))
+        prior = "assumed (prior)" if spec.centre == "assumed" else "corpus fit (prior)"
+        lab = prior if c.status(n) == "prior" else c.status(n)
         out.append(
             f"  {n} = {_param(c.values[n], spec.unit)} [{lab}; prior {_param(spec.default, spec.unit)}"
             f" in {_param(spec.low, spec.unit)}..{_param(spec.high, spec.unit)}] — {spec.about}"
