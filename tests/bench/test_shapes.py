@@ -193,3 +193,25 @@ def test_bench_shapes_concurrency_records_each_c(tmp_path, capsys):
     assert tau[(3, "ddtree")] == pytest.approx(tau[(1, "ddtree")], rel=0.15)
     runs = [r for r in read_records(records) if r.kind == "engine_run"]
     assert [r.concurrency for r in runs] == [1, 1, 1, 3, 3, 3]
+
+
+def test_bench_shapes_budget_auto_states_the_trees_it_verified(tmp_path, capsys):
+    """--budgets 8,auto: the auto row's N is the mean of the trees it verified (at most
+    AUTO_MAX_BUDGET), labelled as such, its output equal to AR's, its record marked."""
+    from ddtree.vocab import AUTO_MAX_BUDGET
+
+    records = tmp_path / "auto.jsonl"
+    argv = ["bench", "shapes", "--preset", "tiny-qwen3", "--dtype", "float32", "--budgets"]
+    argv += ["8,auto", "--prompts", "2", "--context", "16", "--max-new-tokens", "12"]
+    argv += ["--engine-modes", "eager", "--records", str(records), "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["policy"], r["auto_budget"]) for r in rows] == [
+        ("ar", False), ("chain", False), ("ddtree", False), ("ddtree", True)
+    ]  # fmt: skip
+    auto = rows[-1]
+    assert 1 <= auto["budget"] <= AUTO_MAX_BUDGET and auto["width"] == auto["budget"] + 1
+    assert all(r["identical_to_ar"] for r in rows)
+    runs = [r for r in read_records(records) if r.kind == "engine_run"]
+    assert runs[-1].config_extra["auto_budget"] is True and runs[-1].budget == auto["budget"]
+    assert runs[2].config_extra["auto_budget"] is False and runs[2].budget == 8

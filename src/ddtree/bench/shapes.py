@@ -85,16 +85,29 @@ class ShapeRow:
     roofline_fraction: float = 0.0
     vs_ar: float = 0.0  # tokens/s over AR's in the same engine mode and at the same C
     concurrency: int = 1  # requests decoded together (C): tokens/s is all rows'
+    auto: bool = False  # --budget auto: ``budget`` is the mean of the trees it verified
+
+    @property
+    def budget_label(self) -> str:
+        """ "32", or "auto (12)" for a run that chose each step's tree (12 nodes on average)."""
+        return f"auto ({self.budget})" if self.auto else str(self.budget)
 
 
 def step_bytes(
-    config: DecodeConfig, target, drafter, context: float, top_k: int, rows: int = 1
+    config: DecodeConfig,
+    target,
+    drafter,
+    context: float,
+    top_k: int,
+    rows: int = 1,
+    width: int | None = None,
 ) -> tuple[float, dict]:
     """(step bytes, their parts) of a config at mean context ``context`` (module docstring).
     ``drafter``: the oracle; its ``base`` (the DFlash drafter whose forward it runs) is what
     reads memory. ``rows`` requests decoded together (``--concurrency``): the weights once
-    for all their tokens (``rows x M`` rows touch the experts), every row's KV."""
-    width = config.tree_budget + 1
+    for all their tokens (``rows x M`` rows touch the experts), every row's KV. ``width``:
+    the verify's tokens M (None: the config's tree + 1; a ``--budget auto`` run: its mean)."""
+    width = config.tree_budget + 1 if width is None else width
     cache = target.cache
     parts = {
         "target_weights": weight_bytes(target.model, width * rows, top_k),

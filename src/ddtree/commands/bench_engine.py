@@ -81,8 +81,7 @@ def configs_from_args(args: argparse.Namespace):
 
 
 def _label(config) -> str:
-    budget = f"auto<={config.tree_budget}" if config.auto_budget else config.tree_budget
-    return f"{config.engine_mode} {config.policy} B={config.block_size} N={budget}"
+    return f"{config.engine_mode} {config.policy} B={config.block_size} N={config.budget_label}"
 
 
 def run_sweep(args, configs, title: str, show_text: int = 0) -> int:

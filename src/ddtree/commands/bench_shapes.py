@@ -14,17 +14,19 @@ import json
 from dataclasses import dataclass
 
 from ddtree.commands._args import (
+    AUTO,
     add_dtype_argument,
     add_json_argument,
     add_threads_argument,
+    budget_list,
     device,
-    int_list,
     int_list_upto,
     positive_int,
     records_file,
     set_threads,
     threads_label,
 )
+from ddtree.vocab import AUTO_MAX_BUDGET
 
 DEFAULT_ORACLE = "oracle:p=0.65,spread=0.5,ranks=8"  # tau about 4 at B = 16, N = 32
 
@@ -56,7 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(minutes at these depths) (default %(default)s)",
     )
     p.add_argument(
-        "--budgets", type=int_list, default=[8, 16, 32, 64, 128, 256], help="DDTree budgets N"
+        "--budgets",
+        type=budget_list,
+        default=[8, 16, 32, 64, 128, 256],
+        help="DDTree budgets N; 'auto' chooses each step (--budget auto)",
     )
     p.add_argument(
         "--oracle",
@@ -139,7 +144,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     preset = Preset.load(args.preset)
     block = int(preset.drafter["block_size"])
     max_len = args.context + args.max_new_tokens + block
-    widths = [1, block, *(n + 1 for n in args.budgets)]
+    widths = [1, block, *(_largest(n) + 1 for n in args.budgets)]
     rows = max(args.concurrency or [1])  # a forward carries every row's tree
     plan = memory_plan(preset, dtype, rows * (max_len + max(widths)) + 64, rows * max(widths))
     check_fits(plan, device, f"preset {preset.name} in {args.dtype}")
@@ -162,15 +167,21 @@ def _keep_bandwidth(args: argparse.Namespace, record) -> list[str]:
     return kept
 
 
+def _largest(budget: int | str) -> int:
+    """The largest tree a --budgets entry builds: N, or AUTO_MAX_BUDGET for 'auto'."""
+    return AUTO_MAX_BUDGET if budget == AUTO else int(budget)
+
+
 def _configs(args: argparse.Namespace, block: int) -> list:
-    """AR, chain and DDTree at each budget, in each engine mode."""
+    """AR, chain and DDTree at each budget ('auto': chosen each step), in each engine mode."""
     from ddtree.engine import DecodeConfig
 
     return [
         DecodeConfig(
             policy,
             block_size=block,
-            budget=budget,
+            budget=_largest(budget),
+            auto_budget=budget == AUTO,
             max_new_tokens=args.max_new_tokens,
             engine_mode=mode,
             compile_scope=args.compile_scope,
@@ -281,11 +292,13 @@ def _rounds(args: argparse.Namespace, sweep: _Sweep, configs: list, bar):
 
     def on_result(config, i, result):
         feed(config, i, result)
-        bar.advance(f"{config.engine_mode} {config.policy} N={config.budget} prompt {i + 1}")
+        bar.advance(f"{config.engine_mode} {config.policy} N={config.budget_label} prompt {i + 1}")
 
     def on_warmup(config):
         if config.engine_mode != "eager":
-            bar.announce(f"warm-up of {config.policy} N={config.budget}: compiling its widths")
+            bar.announce(
+                f"warm-up of {config.policy} N={config.budget_label}: compiling its widths"
+            )
 
     if args.concurrency:
         return sweep_batched(
@@ -363,6 +376,7 @@ def _bandwidth(args, device):
 
 def _rows(points, target, oracle, prompts, preset, bandwidth_bytes_per_s: float):
     from ddtree.bench.shapes import ShapeRow, mean_context, step_bytes
+    from ddtree.engine.runrecord import verified_budget
 
     top_k = int(preset.target.get("num_experts_per_tok") or 0)
     lens = [len(p) for p in prompts]
@@ -371,16 +385,16 @@ def _rows(points, target, oracle, prompts, preset, bandwidth_bytes_per_s: float)
     rows = []
     for p in points:
         c = p.config
-        policy = c.rules
         context = mean_context(p.results, lens)
-        total, parts = step_bytes(c, target, oracle, context, top_k, p.concurrency)
-        budget = policy.budget(c.block_size, c.budget)
+        budget = verified_budget(c, p.results, p.summary)
+        total, parts = step_bytes(c, target, oracle, context, top_k, p.concurrency, budget + 1)
         rows.append(
             ShapeRow(
                 mode=c.engine_mode,
                 policy=c.policy,
                 budget=budget,
                 width=budget + 1,
+                auto=c.auto_budget,
                 summary=p.summary,
                 identical_to_ar=p.identical_to_ar,
                 step_bytes=total,
@@ -443,7 +457,7 @@ class ShapesReport:
                 r.mode,
                 *([str(r.concurrency)] if self.batched else []),
                 r.policy,
-                str(r.budget),
+                r.budget_label,
                 str(r.width),
                 f"{s['mean_tau']:.2f}",
                 f"{s['tokens_per_s']:.2f}",
@@ -476,7 +490,7 @@ class ShapesReport:
             lines.append(
                 f"{mode}{at}: AR reads {ar.step_bytes / 1e9:.2f} GB a step at "
                 f"{ar.roofline_fraction:.0%} of the memory roofline; best {best.policy}"
-                f"{'' if best.policy == 'ar' else f' N={best.budget}'}: {best.vs_ar:.2f}x AR "
+                f"{'' if best.policy == 'ar' else f' N={best.budget_label}'}: {best.vs_ar:.2f}x AR "
                 f"tokens/s (tau {best.summary['mean_tau']:.2f}, step "
                 f"{best.summary['step_s_mean'] / ar.summary['step_s_mean']:.2f}x AR's), "
                 f"chain {chain.vs_ar:.2f}x; the tau is the synthetic oracle's"
@@ -517,6 +531,7 @@ class ShapesReport:
                     "concurrency": r.concurrency,
                     "policy": r.policy,
                     "budget": r.budget,
+                    "auto_budget": r.auto,
                     "width": r.width,
                     "mean_tau": r.summary["mean_tau"],
                     "tokens_per_s": r.summary["tokens_per_s"],
@@ -553,6 +568,7 @@ class ShapesReport:
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
                 "bandwidth_source": self.bandwidth_source,
                 "roofline_fraction": r.roofline_fraction,
+                "auto_budget": r.auto,
                 **(extra or {}),
             }
             record = engine_run_record(

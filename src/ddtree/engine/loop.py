@@ -114,6 +114,11 @@ class DecodeConfig:
         B - 1 for chain, N for ddtree)."""
         return self.rules.budget(self.block_size, self.budget)
 
+    @property
+    def budget_label(self) -> str:
+        """The budget as progress lines and tables write it: "32", or "auto<=64"."""
+        return f"auto<={self.tree_budget}" if self.auto_budget else str(self.tree_budget)
+
     def width_buckets(self) -> tuple[int, ...]:
         """Verify widths the compiled graphs are built for: ``buckets``, else the policy's
         width M = its budget + 1 (1 for ar, B for chain, N + 1 for ddtree)."""

@@ -94,9 +94,7 @@ def engine_run_record(
     figures = summarize(results)
     if summary is not None:
         figures.update({k: v for k, v in summary.items() if k in figures})
-    budget = config.rules.budget(config.block_size, config.budget)
-    if config.auto_budget:  # the trees it verified, not the one it built them from
-        budget = max(1, round(_mean_tree_nodes(results, summary)))
+    budget = verified_budget(config, results, summary)
     policy = config.rules
     compiled = config.engine_mode != EngineMode.EAGER
     return EngineRun(
@@ -126,6 +124,14 @@ def engine_run_record(
         points=step_points(results, prompt_lens),
         **figures,
     )
+
+
+def verified_budget(config, results: Sequence[GenerationResult], summary: dict | None) -> int:
+    """The budget a run's record states: the config's, or for ``--budget auto`` the mean
+    nodes of the trees it verified (not the largest it built them from)."""
+    if not config.auto_budget:
+        return config.rules.budget(config.block_size, config.budget)
+    return max(1, round(_mean_tree_nodes(results, summary)))
 
 
 def _mean_tree_nodes(results: Sequence[GenerationResult], summary: dict | None) -> float:
