@@ -256,7 +256,7 @@ OTHER_CASES = [
     _flag("bench linear", "--set-mb", "-1", INT1),
     _flag("bench linear", "--preset", "qwen9", "invalid choice", "tiny-qwen3"),
     _flag("bench shapes", "--preset", "qwen9", "invalid choice", "qwen3-1.7b"),
-    _flag("bench shapes", "--budgets", "0", "comma-separated integers"),
+    _flag("bench shapes", "--budgets", "0", BUDGET),
     Case("bench-shapes-too-big", "bench shapes --preset qwen3-30b-a3b --dtype float32 --threads 1", ("qwen3-30b-a3b", "needs", "GB", "available")),
     _flag("bench attention", "--contexts", "0", "comma-separated integers"),
     Case("generate-own-target-no-drafter", "generate --prompt hi --target {w}/target", ("--drafter DIR", "--policy ar")),
