@@ -11,7 +11,7 @@ from ddtree.perf.validation import corpus
 
 
 def main() -> None:
-    fit = corpus.corpus_prior()
+    fit = corpus.fit_corpus_prior()
     lines = [
         "# Centres of the cost model's priors for `ddtree estimate`: the calibration on every",
         "# TRAIN point of the bundled corpus (src/ddtree/perf/data/validation; the test sources",

@@ -361,7 +361,7 @@ def test_corpus_prior_file_is_the_train_fit():
     """data/corpus_prior.toml is what scripts/fit_corpus_prior.py fits on today's train split."""
     from ddtree.perf.cost.step import corpus_prior
 
-    fit, file = corpus.corpus_prior(), corpus_prior()
+    fit, file = corpus.fit_corpus_prior(), corpus_prior()
     assert (file.points, file.sources) == (fit.points, fit.sources)
     assert set(file.values) == set(fit.values)
     for name, value in fit.values.items():

@@ -517,7 +517,7 @@ def validate(points: list[ValidationPoint], samples: int = 2000, seed: int = 0) 
     train = [p for p in points if split_of(p.source.key) == "train"]
     test = [p for p in points if split_of(p.source.key) == "test"]
     specs = default_params()
-    full = calibrate(calibration_anchors(train), specs) if train else None
+    full = train_fit(train) if train else None
     start = None if full is None else full.mean_log
     held = _loso(train, samples, seed, start) if len({p.source.key for p in train}) > 1 else []
     rows = []
@@ -543,13 +543,19 @@ def validate(points: list[ValidationPoint], samples: int = 2000, seed: int = 0) 
     return LosoResult(rows, sigma)
 
 
-def corpus_prior(folder: str | Path | None = None) -> CorpusPrior:
-    """The calibration on every TRAIN point of ``folder`` (None: the bundled corpus) from the
-    hand-set defaults: the centres ``ddtree estimate``'s priors start from
-    (``ddtree.perf.cost.step.corpus_params``; written by scripts/fit_corpus_prior.py)."""
+def train_fit(train: list[ValidationPoint]) -> Calibration:
+    """The calibration on the train points from the hand-set defaults: what ``validate``
+    predicts the test sources from, and the corpus prior."""
+    return calibrate(calibration_anchors(train), default_params())
+
+
+def fit_corpus_prior(folder: str | Path | None = None) -> CorpusPrior:
+    """``train_fit`` on every TRAIN point of ``folder`` (None: the bundled corpus): the centres
+    ``ddtree estimate``'s priors start from (``ddtree.perf.cost.step.corpus_prior`` reads
+    them back; scripts/fit_corpus_prior.py writes them)."""
     points = load_points(BUNDLED if folder is None else Path(folder))
     train = [p for p in points if split_of(p.source.key) == "train"]
-    cal = calibrate(calibration_anchors(train), default_params())
+    cal = train_fit(train)
     values = {name: float(cal.values[name]) for name in cal.names}
     return CorpusPrior(values, len(train), len({p.source.key for p in train}))
 
