@@ -151,11 +151,13 @@ def test_disagreeing_anchors_widen_the_fit_and_agreeing_ones_do_not():
     assert cal.misfit_scale > 50 and cal.cov_log[i, i] > 5 * good.cov_log[i, i]
 
 
-def test_a_case_at_its_own_anchor_centres_on_it():
+@pytest.mark.parametrize("seed", [0, 1, 4])
+def test_a_case_at_its_own_anchor_centres_on_it(seed):
     # the seed's "B300 now" is calibrated on its own 303 tok/s anchor (noise 3%): the Laplace
     # Gaussian alone put p50 at 295 and the anchor at p90; resampling by the true posterior
-    # centres it
-    est = estimate(load(None), samples=6000, seed=0)
+    # centres it, whatever the draws (two rounds of importance sampling gave p50 283 on seeds
+    # 0 and 4, 300 on seed 1)
+    est = estimate(load(None), samples=6000, seed=seed)
     now = next(r for r in est.results if r.case.name.startswith("B300 now"))
     assert now.tokens_per_s[10] < 303 < now.tokens_per_s[90]
     assert now.tokens_per_s[50] == pytest.approx(303, rel=0.03)  # the anchor's noise
