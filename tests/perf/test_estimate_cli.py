@@ -238,9 +238,9 @@ def test_policies_and_the_old_engine_name(tmp_path, capsys):
     assert by["chain"]["budget"] == 15 and "tree build" in by["chain"]["breakdown_s"]
     for name in ("chain", "tree"):
         sp, tps, ar = (by[name][k] for k in ("speedup_vs_ar", "tokens_per_s", "ar_tokens_per_s"))
-        # a drafted step costs more than the AR step, so the speedup stays under tau; at tau
-        # 6-7 on a memory-bound Kimi step it is well over 1
-        assert 1 < sp["p10"] < sp["p50"] < sp["p90"] < by[name]["tau"]
+        # a drafted step costs more than the AR step, so the speedup stays under tau (its band
+        # stops there); at tau 6-7 on a memory-bound Kimi step it is well over 1
+        assert 1 < sp["p10"] < sp["p50"] < by[name]["tau"] and sp["p90"] <= by[name]["tau"]
         assert sp["p50"] == pytest.approx(tps["p50"] / ar["p50"], rel=0.1)
     # the ar step of the same hardware and engine mode: the chain's ar is the ar case
     assert by["chain"]["ar_tokens_per_s"]["p50"] == pytest.approx(

@@ -171,7 +171,10 @@ def run_case(
         full = model_form_sigma(model_form_kind(case.point))
         rel = model_form_sigma("speedup") * (sigma / full if full > 0 else 0.0)
         ratio = np.exp(np.random.default_rng(seed + 2).normal(0.0, rel, n))  # [n]
-        speedup, ar_tps = _percentiles(tps * form / ar * ratio), _percentiles(ar / form)
+        # a drafted step costs at least the AR step (its verify carries the AR token and more),
+        # so no draw's speedup exceeds its tau, whatever the model-form error
+        speedup = _percentiles(np.minimum(tps * form / ar * ratio, tau))
+        ar_tps = _percentiles(ar / form)
     pt_params = dict(cal.values)
     pt_params.update({k: point_value(v) for k, v in case.overrides.items()})
     pt_tau = point_value(case.tau)
