@@ -94,3 +94,22 @@ def test_a_device_without_a_generation_pays_no_serving_engine_costs():
     assert not {"spec step overhead", "per-layer kernel floor"} & names
     assert not any("draft step overhead" in n for n in names)
     assert np.isfinite(float(cost.step_s))
+
+
+def test_transformers_eager_moe_pays_a_host_loop_over_every_expert():
+    # transformers' eager MoE block loops over all E experts of a layer, a host sync each:
+    # L_moe x E x expert_loop, whatever the batch; a serving stack, a graph engine or a dense
+    # model pays none
+    moe = PRESETS["qwen3-30b-a3b"]
+    hf = replace(_point(hw="h20", stack="transformers"), engine="eager")
+    cost = step_cost(moe, hf, P, 1.0)
+    loop = cost.find("per-expert loop")
+    host = P.get(f"host_speed.{hf.host_cpu}", 1.0)
+    assert float(loop.seconds) == pytest.approx(48 * 128 * P["expert_loop"] / host)
+    assert float(loop.seconds) > 0.5 * float(cost.step_s)  # it is most of a step at batch 1
+    wide = step_cost(moe, replace(hf, concurrency=8), P, 1.0)
+    assert float(wide.find("per-expert loop").seconds) == pytest.approx(float(loop.seconds))
+    assert step_cost(moe, replace(hf, stack="sglang"), P, 1.0).find("per-expert loop") is None
+    graphs = replace(hf, engine="graphs")
+    assert step_cost(moe, graphs, P, 1.0).find("per-expert loop") is None
+    assert step_cost(LLAMA, hf, P, 1.0).find("per-expert loop") is None

@@ -200,6 +200,13 @@ BASE_PARAMS: dict[str, ParamSpec] = {
             for g in GENERATIONS
         ),
         ParamSpec(
+            "expert_loop", 60e-6, 20e-6, 200e-6, "s", True,
+            "host time per expert per MoE layer of a stack that runs its experts in a Python "
+            "loop over every expert (LOOPED_EXPERTS_STACKS): a torch.where on the expert mask, "
+            "a device-to-host sync, then the expert's few dispatches (assumed: ~20 us per sync "
+            "and ~8 eager dispatches of ~5 us)",
+        ),
+        ParamSpec(
             "ngram_lookup", 100e-6, 20e-6, 1e-3, "s", True,
             "host time per request per step to find the context's last n-gram's earlier match "
             "(policy ngram; assumed: vLLM's numba KMP over a few thousand tokens)",
@@ -910,6 +917,29 @@ def routed_moe(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Comp
     )  # fmt: skip
 
 
+LOOPED_EXPERTS_STACKS = ("transformers",)
+"""Stacks whose eager MoE block runs the experts one by one in Python over every expert of the
+layer, whatever the batch: Hugging Face transformers' Mixtral / Qwen2-MoE / Qwen3-MoE blocks
+(``for expert_idx in range(num_experts)``, a ``torch.where`` on the expert mask each) in the
+4.3x-4.5x releases the corpus's sources ran. Later releases loop over the experts the batch
+touches only (``expert_hit``) and are over-priced by this rule."""
+
+
+def expert_loop(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
+    """The host time of a looped-experts stack's MoE blocks: L_moe x E x ``expert_loop`` /
+    host speed, per forward. At batch 1 it dwarfs the experts' bytes (Qwen3-30B-A3B: 48 x 128
+    iterations a token)."""
+    if pt.stack not in LOOPED_EXPERTS_STACKS or pt.engine != "eager" or not model.num_moe_layers:
+        return None
+    loops = model.num_moe_layers * model.n_routed_experts
+    return _host(
+        "per-expert loop", fwd.stage, pt,
+        loops * params["expert_loop"] / host_speed(params, pt.host_cpu),
+        f"L_moe x E x expert_loop ({model.num_moe_layers} x {model.n_routed_experts}, "
+        f"{pt.stack}'s Python loop over every expert, a host sync each) / host speed",
+    )  # fmt: skip
+
+
 def shared_experts(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
     Lm = model.num_moe_layers
     if not Lm or not model.n_shared_experts:
@@ -1074,6 +1104,7 @@ TARGET_FORWARD: tuple[Callable[..., Component | None], ...] = (
     attention,
     attention_scores,
     routed_moe,
+    expert_loop,
     shared_experts,
     dense_mlp,
     lm_head,
