@@ -113,3 +113,16 @@ def test_transformers_eager_moe_pays_a_host_loop_over_every_expert():
     graphs = replace(hf, engine="graphs")
     assert step_cost(moe, graphs, P, 1.0).find("per-expert loop") is None
     assert step_cost(LLAMA, hf, P, 1.0).find("per-expert loop") is None
+
+
+def test_speculative_host_costs_grow_by_spec_tp_scale_per_doubling_of_tp():
+    steep = {**P, "spec_tp_scale": 1.5}
+    one = step_cost(LLAMA, _point(policy="eagle", draft_topk=1), steep, 3.0)
+    four = step_cost(LLAMA, replace(_point(policy="eagle", draft_topk=1), tp=4), steep, 3.0)
+    for name in ("4 draft steps: draft step overhead", "spec step overhead"):
+        assert float(four.find(name).seconds) == pytest.approx(
+            1.5**2 * float(one.find(name).seconds))  # fmt: skip
+    assert "spec_tp_scale^log2(4)" in four.find("spec step overhead").formula
+    flat = step_cost(LLAMA, replace(_point(policy="eagle", draft_topk=1), tp=4), P, 3.0)
+    assert float(flat.find("spec step overhead").seconds) == pytest.approx(
+        P["spec_tp_scale"] ** 2 * float(one.find("spec step overhead").seconds))  # fmt: skip

@@ -200,6 +200,13 @@ BASE_PARAMS: dict[str, ParamSpec] = {
             for g in GENERATIONS
         ),
         ParamSpec(
+            "spec_tp_scale", 1.0, 0.5, 2.0, "", True,
+            "multiplier per doubling of the TP group on the speculative host costs (each draft "
+            "step's and verify's host work runs in lock-step on every rank: its broadcasts of "
+            "the drafted tokens and the wait for the slowest rank grow with the group; assumed "
+            "1, no growth, until fitted)",
+        ),
+        ParamSpec(
             "expert_loop", 60e-6, 20e-6, 200e-6, "s", True,
             "host time per expert per MoE layer of a stack that runs its experts in a Python "
             "loop over every expert (LOOPED_EXPERTS_STACKS): a torch.where on the expert mask, "
@@ -1279,17 +1286,22 @@ def spec_overhead(
 ) -> Component | None:
     """One of a GPU serving engine's speculative host costs (``spec_step_overhead`` once per
     step, ``draft_step_overhead`` per draft step, ``draft_forward_overhead`` per one-pass
-    drafter forward) x the stack's ``stack_spec`` / host speed. None on a device without a GPU
+    drafter forward) x the stack's ``stack_spec`` / host speed, x ``spec_tp_scale`` per doubling
+    of the TP group (log2 TP of them). None on a device without a GPU
     generation (this machine's CPU: our engine's stage timings price its host work through the
     profile's own top-k, tree, layout, accept and commit figures)."""
     if not getattr(pt.hardware, "generation", ""):
         return None
     secs = params[what] * stack_scale(params, pt, "spec") / host_speed(params, pt.host_cpu)
+    if pt.tp > 1:
+        secs = secs * params["spec_tp_scale"] ** np.log2(pt.tp)
     label = what.replace("_", " ")
+    formula = f"{what} x stack_spec.{pt.stack}" + (
+        f" x spec_tp_scale^log2({pt.tp})" if pt.tp > 1 else ""
+    )
     return _host(
         label if times == 1 else f"{times} x {label}", stage, pt, secs * times,
-        f"{times} x {what} x stack_spec.{pt.stack}" if times != 1
-        else f"{what} x stack_spec.{pt.stack}",
+        f"{times} x {formula}" if times != 1 else formula,
     )  # fmt: skip
 
 
