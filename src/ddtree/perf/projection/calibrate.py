@@ -312,7 +312,9 @@ def _log_weights(cal: Calibration, draws: np.ndarray, mean: np.ndarray, cov: np.
     chi2_a = sum(r**2 for r in _log_residuals(cal.anchors, params)) / cal.misfit_scale
     chi2_p = (((draws - cal.prior_mean_log) / cal.prior_sd_log) ** 2).sum(axis=1)
     d = draws - mean
-    chi2_q = ((d @ np.linalg.pinv(cov)) * d).sum(axis=1)  # d_n^T cov^-1 d_n, one GEMM
+    # d_n^T cov^-1 d_n, one GEMM; cov is symmetric, and its eigh-based pseudo-inverse converges
+    # where the SVD of an ill-conditioned 101 x 101 covariance did not (a scenario fuzz find)
+    chi2_q = ((d @ np.linalg.pinv(cov, hermitian=True)) * d).sum(axis=1)
     return -0.5 * (chi2_a + chi2_p - chi2_q), params
 
 
