@@ -304,17 +304,15 @@ def _params_of(cal: Calibration, draws: np.ndarray) -> dict:
     return {**cal.fixed, **{nm: from_theta(nm, draws[:, i]) for i, nm in enumerate(cal.names)}}
 
 
-def _log_weights(cal: Calibration, draws: np.ndarray, mean: np.ndarray, cov: np.ndarray):
+def _log_weights(cal: Calibration, draws: np.ndarray, mean: np.ndarray, precision: np.ndarray):
     """ln(posterior / proposal) of theta draws [n, K] from N(mean, cov), up to a constant:
     the fit's own objective (anchor residuals over their noise, deflated by the misfit, plus
-    the priors) against the proposal's quadratic form."""
+    the priors) against the proposal's quadratic form; ``precision``: cov's pseudo-inverse."""
     params = _params_of(cal, draws)
     chi2_a = sum(r**2 for r in _log_residuals(cal.anchors, params)) / cal.misfit_scale
     chi2_p = (((draws - cal.prior_mean_log) / cal.prior_sd_log) ** 2).sum(axis=1)
     d = draws - mean
-    # d_n^T cov^-1 d_n, one GEMM; cov is symmetric, and its eigh-based pseudo-inverse converges
-    # where the SVD of an ill-conditioned 101 x 101 covariance did not (a scenario fuzz find)
-    chi2_q = ((d @ np.linalg.pinv(cov, hermitian=True)) * d).sum(axis=1)
+    chi2_q = ((d @ precision) * d).sum(axis=1)  # d_n^T cov^-1 d_n, one GEMM
     return -0.5 * (chi2_a + chi2_p - chi2_q), params
 
 
@@ -356,27 +354,31 @@ def posterior_samples(cal: Calibration, n: int, rng: np.random.Generator) -> Pos
         return PosteriorDraws(out, float(n), weighted=False)
     mean = cal.mean_log
     draws = rng.multivariate_normal(mean, cal.cov_log, size=n, method="eigh")  # [n, K]
-    laplace = params = _params_of(cal, draws)
-    ess, w = float(n), None
-    for _ in range(IS_ROUNDS if cal.anchors else 0):
-        log_w, round_params = _log_weights(cal, draws, mean, cal.cov_log)
-        round_ess, round_w = _ess(log_w)
-        if w is None or round_ess > ess:
-            ess, w, params = round_ess, round_w, round_params
-        if ess >= GOOD_ESS_FRACTION * n:
+    if not cal.anchors:  # nothing to weigh: the Laplace draws are the posterior's
+        params = _params_of(cal, draws)
+        out.update({name: params[name] for name in cal.names})
+        return PosteriorDraws(out, float(n), weighted=False)
+    # every round's proposal has the Laplace covariance: one pseudo-inverse serves them all (the
+    # symmetric, eigh-based one: an SVD did not converge on an ill-conditioned 101 x 101 one)
+    precision = np.linalg.pinv(cal.cov_log, hermitian=True)  # [K, K]
+    rounds = []  # (effective sample size, weights, params) of each round
+    for i in range(IS_ROUNDS):
+        if i:
+            draws = rng.multivariate_normal(mean, cal.cov_log, size=n, method="eigh")
+        log_w, params = _log_weights(cal, draws, mean, precision)
+        rounds.append((*_ess(log_w), params))
+        if max(r[0] for r in rounds) >= GOOD_ESS_FRACTION * n:
             break
-        if round_ess >= MIN_SHIFT_ESS:
-            mean = round_w @ draws  # [K]
-        draws = rng.multivariate_normal(mean, cal.cov_log, size=n, method="eigh")
-    if cal.anchors:
-        if ess >= min_effective(n):
-            pick = rng.choice(n, size=n, p=w)
-            params = {k: v[pick] if np.ndim(v) else v for k, v in params.items()}
-        else:
-            params = laplace
-    for name in cal.names:
-        out[name] = params[name]
-    return PosteriorDraws(out, ess, weighted=bool(cal.anchors))
+        if rounds[-1][0] >= MIN_SHIFT_ESS:
+            mean = rounds[-1][1] @ draws  # [K]
+    ess, w, params = max(rounds, key=lambda r: r[0])
+    if ess >= min_effective(n):
+        pick = rng.choice(n, size=n, p=w)
+        params = {k: v[pick] if np.ndim(v) else v for k, v in params.items()}
+    else:
+        params = rounds[0][2]  # the Laplace draws, unweighted
+    out.update({name: params[name] for name in cal.names})
+    return PosteriorDraws(out, ess, weighted=True)
 
 
 @dataclass
