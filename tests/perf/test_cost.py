@@ -66,7 +66,7 @@ def test_doubling_bandwidth_halves_memory_bound_terms():
 
 
 def test_moe_grows_with_verify_width_and_tp_splits_weights():
-    P = params_at(default_params())
+    P = {**params_at(default_params()), "routing_locality": 1.0}  # uniform: tokens independent
     m9 = step_cost(K2T, _point(budget=8), P).component("routed MoE")
     m33 = step_cost(K2T, _point(budget=32), P).component("routed MoE")
     assert m33.hbm_bytes / m9.hbm_bytes == pytest.approx(192.31 / 66.28, rel=1e-3)
@@ -165,7 +165,7 @@ def test_the_hand_computed_shapes():
     ],
 )  # fmt: skip
 def test_each_device_component_alone(make, stage, want_bytes, want_flops):
-    P = params_at(default_params())
+    P = {**params_at(default_params()), "routing_locality": 1.0}  # uniform: tokens independent
     c = make(_point(), P)
     assert c.stage is stage
     assert c.hbm_bytes == pytest.approx(want_bytes, rel=1e-9)
@@ -265,10 +265,44 @@ def test_graphs_profile_cuts_launches_not_device_time():
     assert eager.step_s - graphs.step_s == pytest.approx(saved, rel=1e-6)
 
 
+def test_routing_locality_worked_examples():
+    # a chain of 16 at g = 0.5: 4 tokens' worth a request; a 16-node tree over 4 positions:
+    # 4 siblings a position, each position 2 tokens' worth; one token a request: g does nothing
+    assert cost.routed_tokens(16, 2, 0.5) == pytest.approx(8.0)
+    assert cost.routed_tokens(16, 2, 0.5, depth=4) == pytest.approx(16.0)
+    assert cost.routed_tokens(1, 3, 0.3, depth=8) == pytest.approx(3.0)
+    assert cost.routed_tokens(9, 1, 1.0, depth=8) == pytest.approx(9.0)
+
+
+def test_a_verify_touches_the_experts_of_its_routed_tokens_and_a_prompt_of_every_token():
+    P = {**params_at(default_params()), "routing_locality": 0.5}
+    # M = 9 verify tokens over the block's 8 positions: T = 9/8 x 8^0.5 = 3.18 tokens' worth
+    t = 9 / 8 * 8**0.5
+    moe = step_cost(K2T, _point(), P, 4.4).component("routed MoE")
+    assert moe.hbm_bytes == pytest.approx(
+        60 * experts_touched(384, 8, t) * EXPERT * 0.5625 / 8, rel=1e-9
+    )
+    assert moe.flops == pytest.approx(2 * 9 * 8 * EXPERT * 60 / 8)  # every token's FLOPs
+    uniform = step_cost(K2T, _point(), {**P, "routing_locality": 1.0}, 4.4)
+    # 24.9 experts a layer against 66.3 when the 9 tokens route independently
+    assert moe.hbm_bytes / uniform.component("routed MoE").hbm_bytes == pytest.approx(
+        24.88 / 66.28, rel=1e-3
+    )
+    # AR (one token) and a prompt (its tokens taken as independent) do not depend on g
+    for p in (_point().as_ar(),):
+        a, b = (step_cost(K2T, p, {**P, "routing_locality": g}, 1.0) for g in (0.5, 1.0))
+        assert a.component("routed MoE").hbm_bytes == b.component("routed MoE").hbm_bytes
+    a, b = (
+        cost.prefill_cost(K2T, _point(), {**P, "routing_locality": g}, 512).component("routed MoE")
+        for g in (0.5, 1.0)
+    )
+    assert a.hbm_bytes == b.hbm_bytes
+
+
 def test_looped_moe_launches_per_touched_expert_only_in_eager_mode():
     # ddtree's own MoE (this machine's records) loops over touched experts when eager; its
     # compiled mode (read as the graphs profile) dispatches at a fixed shape, no per-expert ops
-    P = params_at(default_params())
+    P = {**params_at(default_params()), "routing_locality": 1.0}  # uniform: tokens independent
     looped = dataclasses.replace(load_catalog()["b300"], looped_moe=True)
     eager = step_cost(K2T, _point(hardware=looped), P).component("routed MoE")
     graphs = step_cost(K2T, _point(hardware=looped, engine="graphs"), P).component("routed MoE")

@@ -37,7 +37,7 @@ def _point(hw="h100-sxm", policy="ar", stack="any", **kw) -> Point:
 def test_kernel_path_worked_examples():
     assert kernel_path(CAT["a100-sxm-80gb"], "fp8") == "dequant-8bit"
     assert kernel_path(CAT["h100-sxm"], "fp8-block128") == "native-8bit"
-    assert kernel_path(CAT["h100-sxm"], "mxfp4") == "dequant-4bit"
+    assert kernel_path(CAT["h100-sxm"], "mxfp4") == "dequant-fp4"
     assert kernel_path(CAT["b200"], "fp4") == "native-4bit"
     assert kernel_path(CAT["b200"], "int4-g64") == "dequant-4bit"  # weight-only: never native
     assert kernel_path(CAT["b200"], "bf16") == "16bit"

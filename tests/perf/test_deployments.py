@@ -29,6 +29,7 @@ from ddtree.records import BenchAllreduce, BenchBandwidth, HardwareInfo
 
 K2T = PRESETS["kimi-k2-thinking"]
 P = params_at(default_params())
+P_ALL = P
 
 
 def point(parallel="tp", concurrency=1, hw="b300", **kw):
@@ -262,6 +263,7 @@ def test_moe_tp_by_ep_reads_between_pure_tp_and_pure_ep():
     from ddtree.perf.cost.step import mixed_deployment
 
     tokens = 9  # M = 9 at C = 1
+    P = {**P_ALL, "routing_locality": 1.0}  # uniform: the 9 tokens route independently
     mixed = dataclasses.replace(point(), deployment=mixed_deployment(2, 4))
     assert (mixed.experts_ep, mixed.experts_tp) == (4, 2)
     moe = step_cost(K2T, mixed, P).component("routed MoE")

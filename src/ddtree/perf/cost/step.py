@@ -93,23 +93,32 @@ KERNEL_PATHS: dict[str, tuple[float, float, float, str]] = {
     "native-4bit": (0.9, 0.3, 1.3, "fp4 / mxfp4 weights on GPUs whose tensor units compute them"),
     "dequant-8bit": (0.8, 0.3, 1.3, "fp8 / int8 weights dequantised to 16 bits before the MMA "
                      "(fp8 on Ampere: Marlin-style kernels)"),
-    "dequant-4bit": (0.9, 0.2, 1.3, "int4 (AWQ, GPTQ, q4) or fp4 / mxfp4 weights dequantised "
-                     "to 16 bits before the MMA (mxfp4 on Hopper or Ampere, int4 everywhere)"),
+    "dequant-4bit": (0.9, 0.2, 1.3, "int4 weights (AWQ, GPTQ, q4) dequantised to 16 bits "
+                     "before the MMA, on every GPU: kernels from 2023's AWQ GEMM to Marlin"),
+    "dequant-fp4": (0.9, 0.2, 1.3, "fp4 / mxfp4 weights dequantised to 16 bits before the MMA "
+                    "(mxfp4 on Hopper or Ampere: the Marlin-MXFP4 and Triton kernels that came "
+                    "with gpt-oss, a kernel family of its own)"),
 }  # fmt: skip
 """Kernel paths besides 16-bit weights (multiplier 1): which applies to a weight format on a GPU
 is ``kernel_path``; the multiplier's prior is assumed (a low-bit GEMV reaches less of the
 bandwidth than a 16-bit one, more so when it dequantises), and fitted."""
 
 
+FP4_FORMATS = ("fp4", "mxfp4")  # 4-bit floating-point weights (a kernel family apart from int4)
+
+
 def kernel_path(hw: Hardware, fmt: str) -> str:
     """'16bit' or one of ``KERNEL_PATHS``: the weight format's bits, and whether the GPU's
     tensor units compute it natively (``Hardware.native``; int4 never). Example: fp8 on an
-    A100 -> dequant-8bit, on an H100 -> native-8bit; mxfp4 on an H100 -> dequant-4bit."""
+    A100 -> dequant-8bit, on an H100 -> native-8bit; mxfp4 on an H100 -> dequant-fp4; int4 on a
+    B200 -> dequant-4bit."""
     bits = PRECISION_BYTES.get(fmt, 2.0)
     if bits >= 2.0:
         return "16bit"
     width = "8bit" if bits >= 1.0 else "4bit"
-    return f"{'native' if hw.native(fmt) else 'dequant'}-{width}"
+    if hw.native(fmt):
+        return f"native-{width}"
+    return "dequant-fp4" if fmt in FP4_FORMATS else f"dequant-{width}"
 
 
 STACKS = ("any", "sglang", "vllm", "trtllm", "transformers", "llamacpp", "ddtree", "other")
@@ -146,6 +155,11 @@ BASE_PARAMS: dict[str, ParamSpec] = {
         ParamSpec(
             "compute_efficiency", 0.5, 0.2, 0.8, "", False,
             "fraction of dense peak FLOP/s reached by compute-bound kernels",
+        ),
+        ParamSpec(
+            "prefill_efficiency", 0.5, 0.2, 0.8, "", False,
+            "fraction of dense peak FLOP/s a prompt's forward reaches (e2e points: the prefill "
+            "in a request's time)",
         ),
         ParamSpec(
             "spec_step_overhead", 0.4e-3, 0.1e-3, 1.6e-3, "s", True,
@@ -205,6 +219,16 @@ BASE_PARAMS: dict[str, ParamSpec] = {
             "step's and verify's host work runs in lock-step on every rank: its broadcasts of "
             "the drafted tokens and the wait for the slowest rank grow with the group; assumed "
             "1, no growth, until fitted)",
+        ),
+        ParamSpec(
+            "routing_locality", 0.8, 0.6, 1.0, "", True,
+            "exponent g: one request's verify tokens over D positions touch the experts of "
+            "M/D x D^g independently routed tokens (routed_tokens; 1: independent). Assumed "
+            "prior 0.8, range 0.6-1: consecutive tokens share experts more often than chance "
+            "(Mixtral of Experts, Jiang et al. 2024, sec. 5), yet a draft tree's union of "
+            "experts still nears the full set (MoE-Spec, McDanel et al. 2026). The range "
+            "was chosen on the train leave-one-source-out: a prior reaching 0.4 let the fit "
+            "settle at 0.32, the exponent absorbing more than routing",
         ),
         ParamSpec(
             "expert_loop", 60e-6, 20e-6, 200e-6, "s", True,
@@ -618,11 +642,23 @@ def param_for(params: dict, name: str, hw: Hardware):
     return params.get(f"{name}@{hw.key}", params[name])
 
 
+def compute_efficiency(params: dict, hw: Hardware, stage: Stage):
+    """The fraction of peak FLOP/s a forward's compute-bound kernels reach: a prompt's
+    (``prefill_efficiency``: long GEMMs, flash-attention over the prompt) apart from a decode
+    step's (``compute_efficiency``: a few tokens per request, large only at high concurrency).
+    A device class fitted on its own (``compute_efficiency@<key>``) takes its one value."""
+    scoped = params.get(f"compute_efficiency@{hw.key}")
+    if scoped is not None:
+        return scoped
+    return params["prefill_efficiency" if stage is Stage.PREFILL else "compute_efficiency"]
+
+
 def scoped_specs(
     specs: dict[str, ParamSpec], hardware_key: str, engines: tuple[str, ...] = ("eager",)
 ) -> dict[str, ParamSpec]:
     """Parameters of their own for one hardware entry (e.g. ``this-machine``), so CPU
-    measurements do not pull the GPU ones: the efficiencies, the engine parameters of the
+    measurements do not pull the GPU ones: the efficiencies, the routing locality (the
+    records' models are ddtree's own small ones, not the published ones), the engine parameters of the
     profiles that ran there (free, fitted to the records' stage timings; the prior is wide
     because a CPU eager op is not a GPU launch), and ``score_passes`` (our engine's attention
     materialises its fp32 scores; GPU serving kernels are fused and have none)."""
@@ -632,6 +668,12 @@ def scoped_specs(
         out[f"{name}@{hardware_key}"] = replace(
             base, name=f"{name}@{hardware_key}", about=f"{base.about} (on {hardware_key})"
         )
+    g = specs["routing_locality"]
+    out[f"{g.name}@{hardware_key}"] = replace(
+        g, name=f"{g.name}@{hardware_key}", default=1.0, centre="assumed",
+        about=f"{g.about} (on {hardware_key}: ddtree's own small models, taken as routing "
+        "independently, 1; a bench moe experts curve, where recorded, replaces it)",
+    )  # fmt: skip
     for eng in engines:
         for what in ENGINE_PARAMS:
             base = specs.get(engine_param(eng, what))
@@ -694,9 +736,28 @@ def experts_touched(n_experts: int, top_k: int, tokens, curve=None):
     return np.clip(out, np.minimum(top_k * tokens, top_k), n_experts)
 
 
-def routed_moe_layer(model: ModelShape, tokens, tp: int, curve=None) -> tuple[float, float, str]:
-    """(bytes, FLOPs, compute precision) of one routed-MoE layer per GPU (experts TP-sharded)."""
-    touched = experts_touched(model.n_routed_experts, model.top_k, tokens, curve)
+def routed_tokens(width, requests, locality: float, depth=None):
+    """Independently routed tokens equivalent to ``requests`` requests of ``width`` tokens each
+    in one forward, spread over ``depth`` consecutive positions (None: a chain, depth = width):
+    requests x (width / depth) x depth^locality. Consecutive tokens of one request pick alike
+    experts, so a chain of D touches the experts of D^g independent tokens (g =
+    ``routing_locality``; 1: independent); a tree's siblings (other candidates at one position)
+    are other tokens and route apart. Example: g = 0.5, 2 requests: a chain of 16 -> 8 tokens'
+    worth; a tree of 16 over 4 depths -> 2 x 4 x 2 = 16; W = 1 -> requests whatever g."""
+    w = np.asarray(width, dtype=float)
+    d = w if depth is None else np.minimum(w, depth)
+    return requests * w / d * d**locality
+
+
+def routed_moe_layer(
+    model: ModelShape, tokens, tp: int, curve=None, routed=None
+) -> tuple[float, float, str]:
+    """(bytes, FLOPs, compute precision) of one routed-MoE layer per GPU (experts TP-sharded).
+    ``routed``: the independently routed tokens that decide the experts touched (``tokens``
+    when not given); the FLOPs follow every token."""
+    touched = experts_touched(
+        model.n_routed_experts, model.top_k, tokens if routed is None else routed, curve
+    )
     bpp = model.bytes_per_param("routed_experts")
     nbytes = touched * model.expert_params * bpp / tp
     flops = 2.0 * np.asarray(tokens, float) * model.top_k * model.expert_params / tp
@@ -738,7 +799,7 @@ def _expected_max_std_normal(groups: int) -> float:
     return float(np.trapezoid(x * groups * phi * cdf ** (groups - 1), x))
 
 
-def expert_parallel_moe_layer(model: ModelShape, tokens, gpus: int, curve=None):
+def expert_parallel_moe_layer(model: ModelShape, tokens, gpus: int, curve=None, routed=None):
     """(bytes, FLOPs, compute precision) of one routed-MoE layer on the busiest GPU when each
     GPU holds E / gpus whole experts. Bytes: the expected maximum over GPUs of the experts a
     GPU's tokens touch (each of its E/gpus experts touched independently with the probability
@@ -746,7 +807,7 @@ def expert_parallel_moe_layer(model: ModelShape, tokens, gpus: int, curve=None):
     slots land on a GPU with probability 1/gpus). Example: Kimi (E=384, k=8) at T=9 over 8
     GPUs: 66.3/384 -> 8.3 experts per GPU on average, 12.1 on the busiest."""
     e, k = model.n_routed_experts, model.top_k
-    p = float(np.mean(experts_touched(e, k, tokens, curve))) / e
+    p = float(np.mean(experts_touched(e, k, tokens if routed is None else routed, curve))) / e
     busiest = expected_max_binomial(e // gpus, p, gpus)
     slots = expected_max_binomial(int(round(float(np.mean(tokens)) * k)), 1.0 / gpus, gpus)
     nbytes = busiest * model.expert_params * model.bytes_per_param("routed_experts")
@@ -794,7 +855,7 @@ def _device(
     hw = pt.hardware
     secs, bound = _work_s(
         hw, nbytes, flops, precision, memory_efficiency(params, efficiency, hw, fmt),
-        param_for(params, "compute_efficiency", hw),
+        compute_efficiency(params, hw, stage),
     )  # fmt: skip
     secs = secs + launches * engine_value(params, pt.engine, "launch", hw, pt.host_cpu)
     return Component(name, stage, secs, float(np.mean(nbytes)), float(np.mean(flops)),
@@ -899,23 +960,33 @@ def routed_moe(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Comp
     if not Lm:
         return None
     tokens = fwd.width * pt.concurrency
+    # a verify's tokens (a tree over at most the block's positions) route alike; a prompt's
+    # hundreds of tokens are taken as independent, and a measured experts curve was read off
+    # real routing, locality included
+    local = fwd.stage is Stage.VERIFY and not pt.experts_curve
+    g = param_for(params, "routing_locality", pt.hardware) if local else 1.0
+    routed = routed_tokens(fwd.width, pt.concurrency, g, pt.block_size if local else None)
     if pt.experts_ep > 1:
         ep, etp = pt.experts_ep, pt.experts_tp
-        nbytes, flops, prec = expert_parallel_moe_layer(model, tokens, ep, pt.experts_curve)
+        nbytes, flops, prec = expert_parallel_moe_layer(model, tokens, ep, pt.experts_curve, routed)
         nbytes, flops = nbytes / etp, flops / etp
         formula = (
             "L_moe x E[max over EP groups of experts touched in a group] x expert params x "
             "bytes/param / MoE TP (each group's E/EP experts touched independently with "
-            "p = 1-(1-k/E)^(M*C)); FLOPs over E[max] routed slots per group / MoE TP"
+            "p = 1-(1-k/E)^T); FLOPs over E[max] routed slots per group / MoE TP"
         )
     else:
-        nbytes, flops, prec = routed_moe_layer(model, tokens, pt.tp, pt.experts_curve)
-        formula = "L_moe x E(1-(1-k/E)^(M*C)) x expert params x bytes/param / TP"
+        nbytes, flops, prec = routed_moe_layer(model, tokens, pt.tp, pt.experts_curve, routed)
+        formula = "L_moe x E(1-(1-k/E)^T) x expert params x bytes/param / TP"
+    formula += (
+        " (T = C x M/D x D^g routed tokens: a request's M tokens over D positions, consecutive "
+        "ones routing alike, g = routing_locality)"
+    )
     launches = KERNELS["routed_moe"]
     if pt.hardware.looped_moe and pt.engine == "eager":
         # ddtree's own eager MoE: a few kernels per touched expert (compiled mode's fixed-shape
         # dispatch, read as the graphs profile, launches none per expert)
-        touched = experts_touched(model.n_routed_experts, model.top_k, tokens, pt.experts_curve)
+        touched = experts_touched(model.n_routed_experts, model.top_k, routed, pt.experts_curve)
         launches = launches + KERNELS["routed_moe_per_expert"] * touched / pt.tp
     return _device(
         "routed MoE", fwd.stage, pt, params, Lm * nbytes, Lm * flops, prec, Lm * launches,

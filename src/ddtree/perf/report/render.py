@@ -420,13 +420,19 @@ def _case_lines(est: Estimate, r: CaseResult) -> list[str]:
     )
     out.append(f"tau = {_tau(r.case.tau)} [{r.case.tau_source or 'assumed: scenario input'}]")
     if m.n_routed_experts:
-        from ddtree.perf.cost.step import experts_touched
+        from ddtree.perf.cost.step import experts_touched, routed_tokens
 
-        e = float(experts_touched(m.n_routed_experts, m.top_k, pt.verify_width * pt.concurrency))
+        g = r.point_params.get(f"routing_locality@{hw.key}", r.point_params["routing_locality"])
+        t = float(routed_tokens(pt.verify_width, pt.concurrency, g, pt.block_size))
+        e = float(experts_touched(m.n_routed_experts, m.top_k, t))
+        depth = min(pt.block_size, pt.verify_width)
         out.append(
-            f"experts touched per layer = E(1-(1-k/E)^(M*C)) = {m.n_routed_experts}"
-            f"(1-(1-{m.top_k}/{m.n_routed_experts})^{pt.verify_width * pt.concurrency}) = "
-            f"{e:.1f} [derived, uniform routing]"
+            f"experts touched per layer = E(1-(1-k/E)^T), T = C x M/D x D^g = "
+            f"{pt.concurrency} x {pt.verify_width}/{depth} x {depth}^{g:.3g} = {t:.1f}: "
+            f"{m.n_routed_experts}(1-(1-{m.top_k}/{m.n_routed_experts})^{t:.1f}) = {e:.1f} "
+            f"[derived: uniform routing of T tokens; a request's M verify tokens over D "
+            f"positions, consecutive ones routing alike; g = routing_locality, "
+            f"{c.status('routing_locality') if 'routing_locality' in c.names else 'prior'}]"
         )
     launch = r.point_params[f"{pt.engine}.launch"]
     step = float(r.point.step_s)
