@@ -46,6 +46,37 @@ def test_calibration_recovers_known_parameters():
     assert max(abs(r.rel_error) for r in cal.residuals) < 0.005
 
 
+def test_robust_residuals_worked_examples():
+    from ddtree.perf.projection.calibrate import _ess, robust_residual
+
+    assert robust_residual(1.0, 3.0) == pytest.approx(0.98, abs=0.005)
+    assert robust_residual(16.0, 3.0) == pytest.approx(7.1, abs=0.05)
+    assert robust_residual(-16.0, 3.0) == pytest.approx(-7.1, abs=0.05)
+    assert robust_residual(16.0, None) == 16.0
+    # truncated importance weights: the heavy one capped at sqrt(n) x the mean
+    ess, w = _ess(np.log(np.array([1.0, 1.0, 1.0, 100.0])))
+    assert ess == pytest.approx(1.12, abs=0.005)
+    assert w[-1] == pytest.approx(51.5 / 54.5)
+
+
+def test_a_robust_fit_is_not_dragged_by_one_wild_anchor():
+    # the synthetic anchors plus one whose step is 5x what the model says (a setup it cannot
+    # express): least squares bends the fitted parameters to it, the robust fit much less
+    specs, anchors = _synthetic(TRUE)
+    fixed = {n: s.default for n, s in specs.items() if n not in TRUE}
+    for n in TRUE:  # wide priors: the anchors decide
+        specs[n] = dataclasses.replace(specs[n], low=specs[n].low / 30, high=specs[n].high * 30)
+    wild = dataclasses.replace(anchors[4], name="wild", step_s=anchors[4].step_s * 5)
+    pulled = {
+        robust: calibrate([*anchors, wild], specs, fixed, robust=robust).values
+        for robust in (None, 6.0)
+    }
+    # least squares: weights_efficiency 0.15 for a truth of 0.45; robust: 0.446
+    assert pulled[None]["weights_efficiency"] < 0.5 * TRUE["weights_efficiency"]
+    for name, want in TRUE.items():
+        assert pulled[6.0][name] == pytest.approx(want, rel=0.03), name
+
+
 def test_calibration_from_a_subset_keeps_priors_elsewhere():
     specs, anchors = _synthetic(TRUE)
     cal = calibrate(anchors[:1], specs)

@@ -449,6 +449,15 @@ flags), so a 25-row table is not 25 independent measurements of the model (chose
 leave-one-source-out: MAPE 28.9% against 30.6% with every point weighing one)."""
 
 
+CORPUS_ROBUST_SCALE = 6.0
+"""A calibration on the corpus weighs each point's residual robustly past 6 of its noise units
+(``calibrate.robust_residual``): a published setup the cost model has no term for (a run whose
+time includes other requests' prefills, a kernel regression) cannot pull every parameter to
+it. Chosen on the train leave-one-source-out (301 points, round 7) among least squares, 1.5, 3
+and 6: MAPE 31.7% / 35.9% / 32.7% / 31.6%, median error 20.3% / 19.0% / 19.3% / 18.7%,
+speedup sign 80.4% / 88.2% / 84.3% / 84.3%; 6 is the one that costs no MAPE."""
+
+
 def calibration_anchors(points: list[ValidationPoint]) -> list:
     """The points' anchors as a calibration on the corpus reads them (``POINTS_A_SOURCE_WEIGHS``).
     Example: a source of 16 points -> each point's noise x 2; of 3 points -> as it was."""
@@ -463,7 +472,7 @@ def calibration_anchors(points: list[ValidationPoint]) -> list:
 
 
 def _predict_source(points, train, specs, samples, seed, start) -> list[_Held]:
-    cal = calibrate(calibration_anchors(train), specs, start=start)
+    cal = calibrate(calibration_anchors(train), specs, start=start, robust=CORPUS_ROBUST_SCALE)
     others = list(dict.fromkeys(p.source.key for p in train))
     out = []
     for i, p in enumerate(points):
@@ -546,7 +555,7 @@ def validate(points: list[ValidationPoint], samples: int = 2000, seed: int = 0) 
 def train_fit(train: list[ValidationPoint]) -> Calibration:
     """The calibration on the train points from the hand-set defaults: what ``validate``
     predicts the test sources from, and the corpus prior."""
-    return calibrate(calibration_anchors(train), default_params())
+    return calibrate(calibration_anchors(train), default_params(), robust=CORPUS_ROBUST_SCALE)
 
 
 def fit_corpus_prior(folder: str | Path | None = None) -> CorpusPrior:
