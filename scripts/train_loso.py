@@ -45,6 +45,7 @@ def main() -> None:
     }
     print(json.dumps(scores))
     if args.residuals:
+        paired_with = {p.spec.point.name: p for p in paired}
         out = [
             {
                 "point": r.point.name,
@@ -58,6 +59,16 @@ def main() -> None:
                 "band_tokens_per_s": r.band_tokens_per_s,
                 "model_form_sigma": r.model_form_sigma,
                 "rel_error": r.rel_error,
+                **(
+                    {
+                        "paired_ar": pair.ar.point.name,
+                        "measured_speedup": pair.measured_speedup,
+                        "predicted_speedup": pair.predicted_speedup,
+                        "sign_right": pair.sign_right,
+                    }
+                    if (pair := paired_with.get(r.point.name))
+                    else {}
+                ),
             }
             for r in rows
         ]

@@ -90,9 +90,14 @@ def test_the_answer_comes_first(capsys, monkeypatch):
         assert cells[4] == s["binds"]
         assert cells[5].startswith(s["tornado"][0]["input"])
     now = _row(out, "B300 now (block 8, budget 8)")
-    assert now[4].startswith("overheads 7") and "launches " in now[4]  # 76% of the step
+    # the article: 12.5 of 14.5 ms a step outside the MoE kernels (86%)
+    share = int(now[4].split("overheads ")[1].split("%")[0])
+    assert 70 <= share <= 92 and "launches " in now[4], now[4]
     native = _row(out, "B300, stronger drafter, native engine")
-    assert native[4].startswith("HBM ")  # the native engine removes the overheads
+    # the native engine removes most of the overheads: HBM binds, or what overheads remain
+    # (the speculative host costs a TP-8 group multiplies) are well under the eager engine's
+    if not native[4].startswith("HBM "):
+        assert int(native[4].split("overheads ")[1].split("%")[0]) < share - 20, native[4]
     # the parameters and the breakdown are under --explain, not in the default output
     assert "eager.tree_fixed" not in out and "framework overhead" not in out
     assert len(lines) < head + 2 + len(rows) + 12
@@ -149,7 +154,7 @@ def test_cli_table_json_explain_report(capsys, tmp_path):
         "corpus fit (prior)",
     ):
         assert label in out, label
-    assert "E(1-(1-k/E)^(M*C))" in out
+    assert "E(1-(1-k/E)^T), T = C x M/D x D^g" in out
     rc, _, err = _run(capsys, "--report", str(tmp_path / "rep"), "--samples", "500")
     assert rc == 0
     files = {p.name for p in (tmp_path / "rep").iterdir()}
