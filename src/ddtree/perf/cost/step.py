@@ -658,10 +658,11 @@ def scoped_specs(
 ) -> dict[str, ParamSpec]:
     """Parameters of their own for one hardware entry (e.g. ``this-machine``), so CPU
     measurements do not pull the GPU ones: the efficiencies, the routing locality (the
-    records' models are ddtree's own small ones, not the published ones), the engine parameters of the
-    profiles that ran there (free, fitted to the records' stage timings; the prior is wide
-    because a CPU eager op is not a GPU launch), and ``score_passes`` (our engine's attention
-    materialises its fp32 scores; GPU serving kernels are fused and have none)."""
+    records' models are ddtree's own small ones, not the published ones), the engine
+    parameters of the profiles that ran there (free, fitted to the records' stage timings; the
+    prior is wide because a CPU eager op is not a GPU launch), and ``score_passes`` (our
+    engine's attention materialises its fp32 scores; GPU serving kernels are fused and have
+    none)."""
     out = dict(specs)
     for name in EFFICIENCIES:
         base = specs[name]

@@ -422,7 +422,10 @@ def _case_lines(est: Estimate, r: CaseResult) -> list[str]:
     if m.n_routed_experts:
         from ddtree.perf.cost.step import experts_touched, routed_tokens
 
-        g = r.point_params.get(f"routing_locality@{hw.key}", r.point_params["routing_locality"])
+        gname = next(
+            n for n in (f"routing_locality@{hw.key}", "routing_locality") if n in r.point_params
+        )
+        g = r.point_params[gname]
         t = float(routed_tokens(pt.verify_width, pt.concurrency, g, pt.block_size))
         e = float(experts_touched(m.n_routed_experts, m.top_k, t))
         depth = min(pt.block_size, pt.verify_width)
@@ -432,7 +435,7 @@ def _case_lines(est: Estimate, r: CaseResult) -> list[str]:
             f"{m.n_routed_experts}(1-(1-{m.top_k}/{m.n_routed_experts})^{t:.1f}) = {e:.1f} "
             f"[derived: uniform routing of T tokens; a request's M verify tokens over D "
             f"positions, consecutive ones routing alike; g = routing_locality, "
-            f"{c.status('routing_locality') if 'routing_locality' in c.names else 'prior'}]"
+            f"{c.status(gname) if gname in c.names else 'prior'}]"
         )
     launch = r.point_params[f"{pt.engine}.launch"]
     step = float(r.point.step_s)
