@@ -29,7 +29,6 @@ from ddtree.records import BenchAllreduce, BenchBandwidth, HardwareInfo
 
 K2T = PRESETS["kimi-k2-thinking"]
 P = params_at(default_params())
-P_ALL = P
 
 
 def point(parallel="tp", concurrency=1, hw="b300", **kw):
@@ -263,22 +262,22 @@ def test_moe_tp_by_ep_reads_between_pure_tp_and_pure_ep():
     from ddtree.perf.cost.step import mixed_deployment
 
     tokens = 9  # M = 9 at C = 1
-    P = {**P_ALL, "routing_locality": 1.0}  # uniform: the 9 tokens route independently
+    uniform = {**P, "routing_locality": 1.0}  # the 9 tokens route independently
     mixed = dataclasses.replace(point(), deployment=mixed_deployment(2, 4))
     assert (mixed.experts_ep, mixed.experts_tp) == (4, 2)
-    moe = step_cost(K2T, mixed, P).component("routed MoE")
+    moe = step_cost(K2T, mixed, uniform).component("routed MoE")
     ep4_bytes, _, _ = expert_parallel_moe_layer(K2T, tokens, 4)
     assert moe.hbm_bytes == pytest.approx(K2T.num_moe_layers * ep4_bytes / 2)
-    tp_bytes = step_cost(K2T, point("tp"), P).component("routed MoE").hbm_bytes
-    ep_bytes = step_cost(K2T, point("tp-ep"), P).component("routed MoE").hbm_bytes
+    tp_bytes = step_cost(K2T, point("tp"), uniform).component("routed MoE").hbm_bytes
+    ep_bytes = step_cost(K2T, point("tp-ep"), uniform).component("routed MoE").hbm_bytes
     # 66.3 of 384 experts touched: 8.3 per GPU split evenly, 12.1 on the busiest of 8 groups;
     # 4 groups of 96 experts, each split over 2 GPUs, sit in between
     assert tp_bytes < moe.hbm_bytes < ep_bytes
     # the collectives are the TP layer's: 2 all-reduces per layer, no all-to-all
-    cost = step_cost(K2T, mixed, P)
+    cost = step_cost(K2T, mixed, uniform)
     assert "EP all-to-all" not in [c.name for c in cost.components]
     assert cost.component("TP all-reduce").seconds == pytest.approx(
-        step_cost(K2T, point("tp"), P).component("TP all-reduce").seconds
+        step_cost(K2T, point("tp"), uniform).component("TP all-reduce").seconds
     )
 
 
