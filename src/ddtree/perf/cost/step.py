@@ -956,17 +956,23 @@ def attention_scores(model: ModelShape, pt: Point, params: dict, fwd: Forward):
     )  # fmt: skip
 
 
+def forward_routing(pt: Point, params: dict, fwd: Forward) -> tuple[float, float]:
+    """(routed tokens T, exponent g) of a forward's routed-MoE layers (``routed_tokens``). A
+    verify's tokens (a tree over at most the block's positions) route alike, at
+    ``routing_locality`` (the hardware entry's own where it has one); a prompt's hundreds of
+    tokens are taken as independent, and a measured experts curve was read off real routing,
+    locality included: g = 1 for both."""
+    local = fwd.stage is Stage.VERIFY and not pt.experts_curve
+    g = param_for(params, "routing_locality", pt.hardware) if local else 1.0
+    return routed_tokens(fwd.width, pt.concurrency, g, pt.block_size if local else None), g
+
+
 def routed_moe(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Component | None:
     Lm = model.num_moe_layers
     if not Lm:
         return None
     tokens = fwd.width * pt.concurrency
-    # a verify's tokens (a tree over at most the block's positions) route alike; a prompt's
-    # hundreds of tokens are taken as independent, and a measured experts curve was read off
-    # real routing, locality included
-    local = fwd.stage is Stage.VERIFY and not pt.experts_curve
-    g = param_for(params, "routing_locality", pt.hardware) if local else 1.0
-    routed = routed_tokens(fwd.width, pt.concurrency, g, pt.block_size if local else None)
+    routed, _ = forward_routing(pt, params, fwd)
     if pt.experts_ep > 1:
         ep, etp = pt.experts_ep, pt.experts_tp
         nbytes, flops, prec = expert_parallel_moe_layer(model, tokens, ep, pt.experts_curve, routed)

@@ -420,15 +420,14 @@ def _case_lines(est: Estimate, r: CaseResult) -> list[str]:
     )
     out.append(f"tau = {_tau(r.case.tau)} [{r.case.tau_source or 'assumed: scenario input'}]")
     if m.n_routed_experts:
-        from ddtree.perf.cost.step import experts_touched, routed_tokens
+        from ddtree.perf.cost.step import Forward, experts_touched, forward_routing
 
-        gname = next(
-            n for n in (f"routing_locality@{hw.key}", "routing_locality") if n in r.point_params
-        )
-        g = r.point_params[gname]
-        t = float(routed_tokens(pt.verify_width, pt.concurrency, g, pt.block_size))
-        e = float(experts_touched(m.n_routed_experts, m.top_k, t))
+        verify = Forward(Stage.VERIFY, pt.verify_width, pt.context_tokens)
+        t, g = (float(v) for v in forward_routing(pt, r.point_params, verify))
+        e = float(experts_touched(m.n_routed_experts, m.top_k, t, pt.experts_curve))
         depth = min(pt.block_size, pt.verify_width)
+        gname = f"routing_locality@{hw.key}"
+        gname = gname if gname in c.names else "routing_locality"
         out.append(
             f"experts touched per layer = E(1-(1-k/E)^T), T = C x M/D x D^g = "
             f"{pt.concurrency} x {pt.verify_width}/{depth} x {depth}^{g:.3g} = {t:.1f}: "
