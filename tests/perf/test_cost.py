@@ -53,9 +53,11 @@ def test_experts_touched_formula():
 def test_doubling_bandwidth_halves_memory_bound_terms():
     P = params_at(default_params())
     hw = load_catalog()["b300"]
-    a = step_cost(K2T, _point(), P, 4.4)
-    b = step_cost(K2T, _point(hardware=with_bandwidth(hw, 2 * hw.hbm_bytes_per_s)), P, 4.4)
-    launch = P["eager.launch"] / host_speed(P, hw.host_cpu)  # a B300's host: a DGX B200's Xeon
+    a = step_cost(K2T, _point(engine="graphs"), P, 4.4)
+    b = step_cost(
+        K2T, _point(engine="graphs", hardware=with_bandwidth(hw, 2 * hw.hbm_bytes_per_s)), P, 4.4
+    )
+    launch = P["graphs.launch"] / host_speed(P, hw.host_cpu)  # a B300's host: a DGX B200's Xeon
     for ca, cb in zip(a.components, b.components, strict=True):
         if ca.bound == "memory":
             ta, tb = ca.seconds - ca.launches * launch, cb.seconds - cb.launches * launch
@@ -103,7 +105,7 @@ def test_allreduce_latency_and_link():
 def test_vectorised_params_broadcast():
     P = params_at(default_params())
     P["moe_efficiency"] = np.array([0.5, 0.75, 1.0])
-    cost = step_cost(K2T, _point(), P, 4.4)
+    cost = step_cost(K2T, _point(engine="graphs"), P, 4.4)
     assert np.shape(cost.step_s) == (3,)
     assert cost.step_s[0] > cost.step_s[1] > cost.step_s[2]
 
@@ -204,7 +206,8 @@ def test_each_host_component_alone():
 
 def test_a_faster_host_divides_the_host_costs_and_launches_only():
     P = params_at(default_params())
-    ref, desk = _point(host="xeon-8480c"), _point(host="desktop")
+    ref = _point(host="xeon-8480c", engine="graphs")
+    desk = _point(host="desktop", engine="graphs")
     speed = P["host_speed.desktop"]
     assert speed == pytest.approx(1.45)  # 5.5 / 3.8 GHz (assumed)
     a, b = step_cost(K2T, ref, P, 4.4), step_cost(K2T, desk, P, 4.4)
@@ -214,7 +217,7 @@ def test_a_faster_host_divides_the_host_costs_and_launches_only():
         elif ca.bound == "link":
             assert cb.seconds == pytest.approx(ca.seconds), ca.name
         else:  # device work unchanged, its launches divided by the speed
-            launch = P["eager.launch"] * ca.launches
+            launch = P["graphs.launch"] * ca.launches
             assert cb.seconds == pytest.approx(ca.seconds - launch + launch / speed), ca.name
     assert ref.host_cpu == "xeon-8480c" and _point().host_cpu == "xeon-8570"  # the B300's
 
@@ -259,10 +262,51 @@ def test_graphs_profile_cuts_launches_not_device_time():
     assert graphs.step_s < eager.step_s
     assert graphs.hbm_bytes == eager.hbm_bytes
     launches = sum(c.launches for c in eager.components)
-    saved = launches * (P["eager.launch"] - P["graphs.launch"]) + (
-        P["eager.step_overhead"] - P["graphs.step_overhead"]
+    # eager: the dispatch the device work does not hide; graphs: every launch, added
+    exposed = sum(c.seconds for c in eager.components if c.name.startswith(cost.EXPOSED_DISPATCH))
+    saved = (
+        exposed
+        - launches * P["graphs.launch"]
+        + (P["eager.step_overhead"] - P["graphs.step_overhead"])
     )
     assert eager.step_s - graphs.step_s == pytest.approx(saved, rel=1e-6)
+
+
+def test_eager_dispatch_runs_ahead_of_the_gpu_not_of_the_cpu():
+    # Llama-3.1-8B at M = 1 on an A100, eager: 32 layers x 65 kernels + the head's 10 = 2,090
+    # dispatches. At 10 us each (20.9 ms) they hide the weight reads of bf16 and int4 alike,
+    # so the forward takes the dispatch and quantising does not speed it up; at 0.5 us (1 ms)
+    # the bf16 reads (~8 ms) hide the dispatch instead. On a device without a GPU generation
+    # (this machine's CPU) the host runs the kernels itself: launches add to the work.
+    model = PRESETS["llama-3.1-8b"]
+    int4 = dataclasses.replace(model, precision={**model.precision, "attention": "int4-g128",
+                                                 "dense_mlp": "int4-g128"})  # fmt: skip
+    a100 = load_catalog()["a100-sxm-80gb"]
+    pt = _point("a100-sxm-80gb", tp=1, drafter=None, policy=POLICIES["ar"], budget=0)
+    for launch, bound in ((10e-6, "dispatch"), (0.5e-6, "device")):
+        P = {**params_at(default_params()), "eager.launch": launch}
+        speed = host_speed(P, a100.host_cpu)
+        times = {}
+        for name, m in (("bf16", model), ("int4", int4)):
+            c = step_cost(m, pt, P, 1.0)
+            forward = [x for x in c.components if x.stage is Stage.VERIFY]
+            device = sum(x.seconds for x in forward if x.bound in ("memory", "compute"))
+            dispatch = sum(x.launches for x in forward) * launch / speed
+            assert sum(x.launches for x in forward) == 32 * 65 + 10
+            exposed = c.component(f"{cost.EXPOSED_DISPATCH} (verify)").seconds
+            assert exposed == pytest.approx(max(0.0, dispatch - device))
+            assert device + exposed == pytest.approx(max(device, dispatch))
+            times[name] = c.step_s
+        if bound == "dispatch":
+            assert times["int4"] == pytest.approx(times["bf16"])
+        else:
+            assert times["int4"] < 0.6 * times["bf16"]
+    cpu = dataclasses.replace(a100, generation="")
+    P = {**params_at(default_params()), "eager.launch": 10e-6}
+    on_cpu = step_cost(model, dataclasses.replace(pt, hardware=cpu), P, 1.0)
+    assert not [x for x in on_cpu.components if x.name.startswith(cost.EXPOSED_DISPATCH)]
+    head = on_cpu.component("LM head over M")
+    assert head.seconds > 10 * 10e-6 / host_speed(P, cpu.host_cpu)  # its 10 launches inside
 
 
 def test_routing_locality_worked_examples():
@@ -323,3 +367,30 @@ def test_a_draft_vocabulary_costs_its_k_head_rows_and_a_top_k_over_k():
     assert c.hbm_bytes == pytest.approx(1.5e9 * 2 / 8 + 2048 * 12288 / 8 + head * 2 / 8, rel=1e-9)
     assert c.flops == pytest.approx(2 * 8 * 1.5e9 / 8 + 2 * 7 * head / 8, rel=1e-9)
     assert cost.topk(K2T, pt, P).hbm_bytes == pytest.approx(7 * 32768 * 4 * 3, rel=1e-9)
+
+
+def test_a_scenarios_own_engine_keeps_its_base_profiles_dispatch(tmp_path):
+    # [engine.mine] is a new name, built on the eager profile: its launches run ahead of the GPU
+    # as eager's do; the built-in graphs profile's add to the device work
+    from ddtree.perf.inputs.scenario import load_scenario
+
+    case = '[[scenario]]\nname = "{0}"\nhardware = "b300"\nengine = "{0}"\nblock_size = 8\n'
+    path = tmp_path / "own.toml"
+    path.write_text(
+        '[model]\npreset = "kimi-k2-thinking"\n[deployment]\ntp = 8\n'
+        '[engine.mine]\nstep_overhead = "2 ms"\n'
+        + (case + "budget = 8\ntau = 4\n").format("mine")
+        + (case + "budget = 8\ntau = 4\n").format("graphs")
+    )
+    scenario = load_scenario(path)
+    mine, graphs = (c.point for c in scenario.cases)
+    assert mine.overlapped_dispatch is True and cost.dispatch_overlaps(mine)
+    assert graphs.overlapped_dispatch is False and not cost.dispatch_overlaps(graphs)
+    P = params_at(scenario.specs)
+    exposed = {
+        pt.engine: [c for c in step_cost(K2T, pt, P, 4.0).components
+                    if c.name.startswith(cost.EXPOSED_DISPATCH)]
+        for pt in (mine, graphs)
+    }  # fmt: skip
+    assert Stage.VERIFY in {c.stage for c in exposed["mine"]}
+    assert exposed["graphs"] == []

@@ -11,6 +11,7 @@ import pytest
 
 from ddtree.perf.cost.step import (
     DEPLOYMENTS,
+    EXPOSED_DISPATCH,
     Drafter,
     Point,
     collectives_per_forward,
@@ -82,6 +83,8 @@ def test_tp_ep_costs_like_tp_but_for_the_experts():
     for a, b in zip(tp.components, ep.components, strict=True):
         if a.name == "routed MoE":
             assert b.seconds > a.seconds
+        elif a.name.startswith(EXPOSED_DISPATCH):  # more device work hides more of the dispatch
+            assert b.seconds <= a.seconds
         else:
             assert b.seconds == pytest.approx(a.seconds), a.name
 

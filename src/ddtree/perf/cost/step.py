@@ -298,6 +298,8 @@ class EngineProfile:
     accept_per_node_s: float  # walk over the verified tree, per draft node
     commit_fixed_s: float  # per request per step
     about: str = ""
+    dispatch_overlaps: bool = False  # its launches are host dispatches that run ahead of a GPU
+    # (an asynchronous CUDA stream): a stage takes max(device work, dispatch), not their sum
 
     def specs(self) -> dict[str, ParamSpec]:
         out = {}
@@ -331,10 +333,13 @@ ENGINES: dict[str, EngineProfile] = {
     "eager": EngineProfile(
         "eager",
         step_overhead_s=5e-3,
-        launch_s=1e-6,
+        launch_s=5e-6,
         **_HOST_TREE,
         about="eager PyTorch (HF transformers, the seed's SGLang DDTree path): Python dispatch "
-        f"per kernel, {_HOST_TREE_ABOUT}",
+        "per kernel (~5 us per aten op of ddtree's count, KERNELS), which runs ahead of the GPU "
+        "until a host sync, so a small model's forward is dispatch-bound and a large one's "
+        f"device-bound (dispatch_overlaps); {_HOST_TREE_ABOUT}",
+        dispatch_overlaps=True,
     ),
     "graphs": EngineProfile(
         "graphs",
@@ -521,6 +526,8 @@ class Point:
     gpus_per_node: int = 0  # GPUs sharing the hardware's interconnect (0: the hardware's)
     inter_node: Link | None = None  # the link between nodes when the group spans several
     stack: str = "any"  # the serving stack that ran it (STACKS); "any": not said
+    overlapped_dispatch: bool | None = None  # its engine's ``dispatch_overlaps`` (None: the
+    # built-in profile's of that name, ENGINES; a scenario's own [engine.X] passes its own)
 
     def __post_init__(self) -> None:
         if self.tp % self.experts_ep:
@@ -831,8 +838,7 @@ def _stream(
 ) -> Component:
     """A component that streams large contiguous buffers (logits, attention scores) once per
     pass: bytes at the peak bandwidth, plus its kernel launches."""
-    secs = nbytes / pt.hardware.hbm_bytes_per_s
-    secs = secs + launches * engine_value(params, pt.engine, "launch", pt.hardware, pt.host_cpu)
+    secs = nbytes / pt.hardware.hbm_bytes_per_s + launch_seconds(pt, params, launches)
     return Component(name, stage, secs, float(np.mean(nbytes)), 0.0, launches, Bound.MEMORY,
                      "1 / HBM bandwidth (streaming at peak)", formula)  # fmt: skip
 
@@ -858,7 +864,7 @@ def _device(
         hw, nbytes, flops, precision, memory_efficiency(params, efficiency, hw, fmt),
         compute_efficiency(params, hw, stage),
     )  # fmt: skip
-    secs = secs + launches * engine_value(params, pt.engine, "launch", hw, pt.host_cpu)
+    secs = secs + launch_seconds(pt, params, launches)
     return Component(name, stage, secs, float(np.mean(nbytes)), float(np.mean(flops)),
                      launches, bound, _DEVICE_RULE, formula)  # fmt: skip
 
@@ -880,6 +886,57 @@ def memory_efficiency(params: dict, efficiency: str, hw: Hardware, fmt: str = "b
     if path != "16bit":
         eff = eff * params.get(f"path_efficiency.{path}", 1.0)
     return np.minimum(eff, MAX_MEMORY_EFFICIENCY)
+
+
+def dispatch_overlaps(pt: Point) -> bool:
+    """True when the point's kernel launches run ahead of its device work rather than adding to
+    it: an engine profile of host dispatches (``EngineProfile.dispatch_overlaps``: eager
+    PyTorch) on a GPU, whose stream queues the kernels while the host dispatches the next. On a
+    device without a GPU generation (this machine's CPU) the host runs the kernels itself."""
+    flag = pt.overlapped_dispatch
+    if flag is None:
+        profile = ENGINES.get(pt.engine)
+        flag = profile is not None and profile.dispatch_overlaps
+    return flag and bool(getattr(pt.hardware, "generation", ""))
+
+
+def launch_seconds(pt: Point, params: dict, launches):
+    """The launch time a device component adds to its own seconds: launches x the profile's
+    ``launch``, or 0 where dispatch overlaps the device work (``dispatch_overlaps``; the stage's
+    ``exposed_dispatch`` then holds what the device work does not hide)."""
+    if dispatch_overlaps(pt):
+        return 0.0
+    return launches * engine_value(params, pt.engine, "launch", pt.hardware, pt.host_cpu)
+
+
+EXPOSED_DISPATCH = "kernel dispatch beyond device time"  # each stage's: "... (verify)"
+
+
+def exposed_dispatch(pt: Point, params: dict, comps: list[Component]) -> list[Component]:
+    """Where dispatch overlaps the device work (``dispatch_overlaps``), one component per
+    stage: max(0, the stage's launches x ``launch`` - its device time). The host queues a
+    stage's kernels while the GPU runs the earlier ones, and the stages are apart by host
+    syncs (sampling, the tree, the accept walk), so a stage takes the longer of the two.
+    Example: a 28-layer 7B forward dispatching 1,700 kernels at 10 us (17 ms) over 8 ms of
+    weight reads takes 17 ms, and reading int4 weights instead (2.5 ms) leaves it at 17 ms."""
+    if not dispatch_overlaps(pt):
+        return []
+    launch = engine_value(params, pt.engine, "launch", pt.hardware, pt.host_cpu)
+    out = []
+    for stage in dict.fromkeys(c.stage for c in comps):
+        own = [c for c in comps if c.stage is stage]
+        launches = sum(c.launches for c in own)
+        if not launches:
+            continue
+        device = sum(c.seconds for c in own if c.bound in (Bound.MEMORY, Bound.COMPUTE))
+        out.append(Component(
+            f"{EXPOSED_DISPATCH} ({stage})", stage, np.maximum(0.0, launches * launch - device),
+            0.0, 0.0,
+            0.0, Bound.HOST,
+            f"{pt.engine} engine on the {pt.host_cpu} host: constant across GPUs, / host speed",
+            f"max(0, {launches:.0f} launches x {pt.engine}.launch - the stage's device time)",
+        ))  # fmt: skip
+    return out
 
 
 def _host(name: str, stage: Stage, pt: Point, seconds, formula: str) -> Component:
@@ -1383,7 +1440,8 @@ def spec_overhead(
     )  # fmt: skip
 
 
-def _total(pt: Point, comps: list[Component]) -> StepCost:
+def _total(pt: Point, params: dict, comps: list[Component]) -> StepCost:
+    comps = [*comps, *exposed_dispatch(pt, params, comps)]
     step_s = sum(c.seconds for c in comps)
     hbm = sum(c.hbm_bytes for c in comps)
     return StepCost(pt, comps, step_s, hbm, hbm / pt.hardware.hbm_bytes_per_s)
@@ -1535,13 +1593,14 @@ def step_cost(model: ModelShape, pt: Point, params: dict, tau=None) -> StepCost:
             )
             if c is not None
         ]
-    return _total(pt, [*comps, framework_overhead(pt, params)])
+    return _total(pt, params, [*comps, framework_overhead(pt, params)])
 
 
 def prefill_cost(model: ModelShape, pt: Point, params: dict, prompt_tokens: float) -> StepCost:
     """The target forward over a prompt of ``prompt_tokens`` per request (no cached context)."""
     _check(pt)
-    return _total(pt, target_forward(model, pt, params, Forward(Stage.PREFILL, prompt_tokens, 0)))
+    fwd = Forward(Stage.PREFILL, prompt_tokens, 0)
+    return _total(pt, params, target_forward(model, pt, params, fwd))
 
 
 def tokens_per_s(cost: StepCost, tau):
@@ -1599,11 +1658,12 @@ def amdahl(cost: StepCost, params: dict, tau: float) -> Amdahl:
     """Physical limit (bytes per GPU / peak HBM bw), how much of the step is overhead, and
     the step's shares by what bounds them (``LIMITS``)."""
     step = float(np.median(np.asarray(cost.step_s)))
-    launch_s = engine_value(params, cost.point.engine, "launch", cost.point.hardware,
-                            cost.point.host_cpu)  # fmt: skip
     seconds = dict.fromkeys(LIMITS, 0.0)
     for c in cost.components:
-        launch = c.launches * launch_s
+        if c.name.startswith(EXPOSED_DISPATCH):  # launches the device work did not hide
+            seconds["launch"] += c.seconds
+            continue
+        launch = launch_seconds(cost.point, params, c.launches)
         seconds[str(c.bound)] += c.seconds - launch
         seconds["launch"] += launch
     shares = {k: float(np.median(np.asarray(s))) / step for k, s in seconds.items()}

@@ -11,7 +11,7 @@ from typing import Any
 
 from ddtree.files import replace_atomically
 from ddtree.perf.cost.physics import memory_per_gpu
-from ddtree.perf.cost.step import LIMITS, link_class
+from ddtree.perf.cost.step import LIMITS, dispatch_overlaps, launch_seconds, link_class
 from ddtree.perf.hardware import units as u
 from ddtree.perf.hardware.catalog import load_hosts
 from ddtree.perf.inputs.fromrecords import PROFILE_OF_MODE
@@ -61,9 +61,7 @@ def comparison_parts(r: CaseResult) -> list[str]:
     parts = [where]
     moe = r.point.find("routed MoE")
     if a.moe_s is not None and moe is not None:
-        moe_kernel = (
-            float(moe.seconds) - moe.launches * r.point_params[f"{r.case.point.engine}.launch"]
-        )
+        moe_kernel = float(moe.seconds) - launch_seconds(r.case.point, r.point_params, moe.launches)
         parts.append(f"routed MoE kernels {_ms(moe_kernel)} vs the article's {_ms(a.moe_s)}")
     if a.step_s is not None:
         parts.append(f"step {_ms(float(r.point.step_s))} vs {_ms(a.step_s)}")
@@ -437,13 +435,14 @@ def _case_lines(est: Estimate, r: CaseResult) -> list[str]:
             f"{c.status(gname) if gname in c.names else 'prior'}]"
         )
     launch = r.point_params[f"{pt.engine}.launch"]
+    ahead = " dispatched ahead of the GPU" if dispatch_overlaps(pt) else ""
     step = float(r.point.step_s)
     for comp in r.point.components:
         s = float(comp.seconds)
         out.append(
             f"  {comp.name}: {_ms(s)} ({s / step:.0%}, {comp.bound}) [derived: {comp.formula}; "
             f"{u.format_quantity(comp.hbm_bytes, u.BYTES)}/GPU, "
-            f"{comp.launches:.0f} launches x {u.format_quantity(launch, u.TIME)}; "
+            f"{comp.launches:.0f} launches x {u.format_quantity(launch, u.TIME)}{ahead}; "
             f"scales with {comp.rule}]"
         )
     out.append(
