@@ -139,9 +139,9 @@ def test_native_formats():
     assert b200.native("fp4") and b200.native("nvfp4") and not h100.native("fp4")
     assert CAT["mi355x"].native("mxfp4") and not CAT["mi300x"].native("mxfp4")
     assert CAT["rtx-4090"].native("fp8") and not CAT["rtx-3090"].native("fp8")
-    assert CAT["t4"].native("fp16") and not CAT["t4"].native("bf16") and CAT["t4"].native("int8")
-    for hw in CAT.values():  # weight-only int4 and fp32 never compute natively
-        assert not any(hw.native(f) for f in ("int4-g32", "int4-g128", "fp32"))
+    assert CAT["t4"].native("fp16") and not CAT["t4"].native("bf16")
+    for hw in CAT.values():  # weight-only int8 / int4 and fp32 never compute natively
+        assert not any(hw.native(f) for f in ("int8", "int4-g32", "int4-g128", "fp32"))
         assert hw.native("bf16") or hw.native("fp16")
     with pytest.raises(CatalogError, match="h100-sxm.*unknown weight format 'fp6'"):
         h100.native("fp6")

@@ -57,7 +57,7 @@ def test_doubling_bandwidth_halves_memory_bound_terms():
     b = step_cost(
         K2T, _point(engine="graphs", hardware=with_bandwidth(hw, 2 * hw.hbm_bytes_per_s)), P, 4.4
     )
-    launch = P["graphs.launch"] / host_speed(P, hw.host_cpu)  # a B300's host: a DGX B200's Xeon
+    launch = P["graphs.launch"]  # a replayed graph node: the GPU's time, whatever the host
     for ca, cb in zip(a.components, b.components, strict=True):
         if ca.bound == "memory":
             ta, tb = ca.seconds - ca.launches * launch, cb.seconds - cb.launches * launch
@@ -206,8 +206,9 @@ def test_each_host_component_alone():
 
 def test_a_faster_host_divides_the_host_costs_and_launches_only():
     P = params_at(default_params())
-    ref = _point(host="xeon-8480c", engine="graphs")
-    desk = _point(host="desktop", engine="graphs")
+    # llama.cpp's C++ launch loop: host launches that add to the device work
+    ref = _point(host="xeon-8480c", engine="cpp")
+    desk = _point(host="desktop", engine="cpp")
     speed = P["host_speed.desktop"]
     assert speed == pytest.approx(1.45)  # 5.5 / 3.8 GHz (assumed)
     a, b = step_cost(K2T, ref, P, 4.4), step_cost(K2T, desk, P, 4.4)
@@ -217,9 +218,18 @@ def test_a_faster_host_divides_the_host_costs_and_launches_only():
         elif ca.bound == "link":
             assert cb.seconds == pytest.approx(ca.seconds), ca.name
         else:  # device work unchanged, its launches divided by the speed
-            launch = P["graphs.launch"] * ca.launches
+            launch = P["cpp.launch"] * ca.launches
             assert cb.seconds == pytest.approx(ca.seconds - launch + launch / speed), ca.name
     assert ref.host_cpu == "xeon-8480c" and _point().host_cpu == "xeon-8570"  # the B300's
+    # a graph's replayed kernels are the GPU's: the same on either host
+    on = {
+        h: step_cost(K2T, _point(host=h, engine="graphs"), P, 4.4)
+        for h in ("xeon-8480c", "desktop")
+    }
+    launches = sum(c.launches for c in on["desktop"].components)
+    host = sum(c.seconds for c in on["xeon-8480c"].components if c.bound == "host")
+    saved = on["xeon-8480c"].step_s - on["desktop"].step_s
+    assert saved == pytest.approx(host * (1 - 1 / speed)) and launches > 1000
 
 
 def test_accept_reads_the_logits_once_per_token_not_per_request_squared():
@@ -384,8 +394,8 @@ def test_a_scenarios_own_engine_keeps_its_base_profiles_dispatch(tmp_path):
     )
     scenario = load_scenario(path)
     mine, graphs = (c.point for c in scenario.cases)
-    assert mine.overlapped_dispatch is True and cost.dispatch_overlaps(mine)
-    assert graphs.overlapped_dispatch is False and not cost.dispatch_overlaps(graphs)
+    assert mine.launches is cost.Launches.AHEAD and cost.dispatch_overlaps(mine)
+    assert graphs.launches is cost.Launches.DEVICE and not cost.dispatch_overlaps(graphs)
     P = params_at(scenario.specs)
     exposed = {
         pt.engine: [c for c in step_cost(K2T, pt, P, 4.0).components

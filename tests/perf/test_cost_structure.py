@@ -38,6 +38,9 @@ def test_kernel_path_worked_examples():
     assert kernel_path(CAT["a100-sxm-80gb"], "fp8") == "dequant-8bit"
     assert kernel_path(CAT["h100-sxm"], "fp8-block128") == "native-8bit"
     assert kernel_path(CAT["h100-sxm"], "mxfp4") == "dequant-fp4"
+    # GPTQ / AWQ 8-bit weights are weight-only: dequantised even on a GPU with int8 units
+    assert kernel_path(CAT["a100-sxm-80gb"], "int8") == "dequant-8bit"
+    assert kernel_path(CAT["h100-sxm"], "int8") == "dequant-8bit"
     assert kernel_path(CAT["b200"], "fp4") == "native-4bit"
     assert kernel_path(CAT["b200"], "int4-g64") == "dequant-4bit"  # weight-only: never native
     assert kernel_path(CAT["b200"], "bf16") == "16bit"

@@ -89,10 +89,11 @@ tuning-model estimate (25 us), and the one measurement beside it in the same log
 
 
 KERNEL_PATHS: dict[str, tuple[float, float, float, str]] = {
-    "native-8bit": (1.0, 0.5, 1.3, "fp8 / int8 weights on GPUs whose tensor units compute them"),
+    "native-8bit": (1.0, 0.5, 1.3, "fp8 weights on GPUs whose tensor units compute them"),
     "native-4bit": (0.9, 0.3, 1.3, "fp4 / mxfp4 weights on GPUs whose tensor units compute them"),
     "dequant-8bit": (0.8, 0.3, 1.3, "fp8 / int8 weights dequantised to 16 bits before the MMA "
-                     "(fp8 on Ampere: Marlin-style kernels)"),
+                     "(fp8 on Ampere: Marlin-style kernels; weight-only int8, GPTQ / AWQ 8-bit, "
+                     "on every GPU)"),
     "dequant-4bit": (0.9, 0.2, 1.3, "int4 weights (AWQ, GPTQ, q4) dequantised to 16 bits "
                      "before the MMA, on every GPU: kernels from 2023's AWQ GEMM to Marlin"),
     "dequant-fp4": (0.9, 0.2, 1.3, "fp4 / mxfp4 weights dequantised to 16 bits before the MMA "
@@ -111,7 +112,7 @@ def kernel_path(hw: Hardware, fmt: str) -> str:
     """'16bit' or one of ``KERNEL_PATHS``: the weight format's bits, and whether the GPU's
     tensor units compute it natively (``Hardware.native``; int4 never). Example: fp8 on an
     A100 -> dequant-8bit, on an H100 -> native-8bit; mxfp4 on an H100 -> dequant-fp4; int4 on a
-    B200 -> dequant-4bit."""
+    B200 -> dequant-4bit; int8 (weight-only GPTQ / AWQ / gpt-fast) on an H100 -> dequant-8bit."""
     bits = PRECISION_BYTES.get(fmt, 2.0)
     if bits >= 2.0:
         return "16bit"
@@ -280,6 +281,16 @@ ENGINE_PARAMS: dict[str, tuple[float, str]] = {
 }
 
 
+class Launches(StrEnum):
+    """Where an engine mode's kernel launches cost time (``EngineProfile.launches``)."""
+
+    AHEAD = "host, ahead"  # host dispatches (eager PyTorch) that run ahead of a GPU's stream:
+    # each stage takes max(device work, dispatch); / host speed
+    HOST = "host"  # host launches added to the device work (llama.cpp's C++ loop); / host speed
+    DEVICE = "device"  # graph nodes the GPU replays (CUDA graphs): added; the host CPU does not
+    # matter
+
+
 @dataclass(frozen=True)
 class EngineProfile:
     """Host-side behaviour of an engine mode; every figure is an assumption until calibrated."""
@@ -298,8 +309,7 @@ class EngineProfile:
     accept_per_node_s: float  # walk over the verified tree, per draft node
     commit_fixed_s: float  # per request per step
     about: str = ""
-    dispatch_overlaps: bool = False  # its launches are host dispatches that run ahead of a GPU
-    # (an asynchronous CUDA stream): a stage takes max(device work, dispatch), not their sum
+    launches: Launches = Launches.DEVICE  # where its launch time goes (``Launches``)
 
     def specs(self) -> dict[str, ParamSpec]:
         out = {}
@@ -338,8 +348,8 @@ ENGINES: dict[str, EngineProfile] = {
         about="eager PyTorch (HF transformers, the seed's SGLang DDTree path): Python dispatch "
         "per kernel (~5 us per aten op of ddtree's count, KERNELS), which runs ahead of the GPU "
         "until a host sync, so a small model's forward is dispatch-bound and a large one's "
-        f"device-bound (dispatch_overlaps); {_HOST_TREE_ABOUT}",
-        dispatch_overlaps=True,
+        f"device-bound (Launches.AHEAD); {_HOST_TREE_ABOUT}",
+        launches=Launches.AHEAD,
     ),
     "graphs": EngineProfile(
         "graphs",
@@ -358,6 +368,7 @@ ENGINES: dict[str, EngineProfile] = {
         "(llama.cpp's CUDA backend before CUDA graphs): ~20 kernels per GQA layer at a CUDA "
         "launch of ~4 us each, i.e. ~1.2 us per kernel of ddtree's eager count (KERNELS: 65 per "
         "GQA layer with its MLP); the step a graph build and sampling on the host (all assumed)",
+        launches=Launches.HOST,
     ),
     "native": EngineProfile(
         "native",
@@ -526,8 +537,8 @@ class Point:
     gpus_per_node: int = 0  # GPUs sharing the hardware's interconnect (0: the hardware's)
     inter_node: Link | None = None  # the link between nodes when the group spans several
     stack: str = "any"  # the serving stack that ran it (STACKS); "any": not said
-    overlapped_dispatch: bool | None = None  # its engine's ``dispatch_overlaps`` (None: the
-    # built-in profile's of that name, ENGINES; a scenario's own [engine.X] passes its own)
+    launches: Launches | None = None  # its engine profile's ``launches`` (None: the built-in
+    # profile's of that name, ENGINES; a scenario's own [engine.X] passes its base's)
 
     def __post_init__(self) -> None:
         if self.tp % self.experts_ep:
@@ -888,25 +899,37 @@ def memory_efficiency(params: dict, efficiency: str, hw: Hardware, fmt: str = "b
     return np.minimum(eff, MAX_MEMORY_EFFICIENCY)
 
 
+def launch_kind(pt: Point) -> Launches:
+    """The point's engine profile's ``Launches`` (graph replay for an engine of no profile)."""
+    if pt.launches is not None:
+        return pt.launches
+    profile = ENGINES.get(pt.engine)
+    return Launches.DEVICE if profile is None else profile.launches
+
+
 def dispatch_overlaps(pt: Point) -> bool:
     """True when the point's kernel launches run ahead of its device work rather than adding to
-    it: an engine profile of host dispatches (``EngineProfile.dispatch_overlaps``: eager
-    PyTorch) on a GPU, whose stream queues the kernels while the host dispatches the next. On a
-    device without a GPU generation (this machine's CPU) the host runs the kernels itself."""
-    flag = pt.overlapped_dispatch
-    if flag is None:
-        profile = ENGINES.get(pt.engine)
-        flag = profile is not None and profile.dispatch_overlaps
-    return flag and bool(getattr(pt.hardware, "generation", ""))
+    it: host dispatches (``Launches.AHEAD``: eager PyTorch) on a GPU, whose stream queues the
+    kernels while the host dispatches the next. On a device without a GPU generation (this
+    machine's CPU) the host runs the kernels itself."""
+    return launch_kind(pt) is Launches.AHEAD and bool(getattr(pt.hardware, "generation", ""))
+
+
+def launch_s(pt: Point, params: dict):
+    """One launch's time: the profile's ``launch``, / the host CPU's speed where the host pays it
+    (``Launches.AHEAD`` and ``HOST``); a replayed graph node's is the GPU's (``DEVICE``), the
+    same on any host."""
+    host = None if launch_kind(pt) is Launches.DEVICE else pt.host_cpu
+    return engine_value(params, pt.engine, "launch", pt.hardware, host)
 
 
 def launch_seconds(pt: Point, params: dict, launches):
-    """The launch time a device component adds to its own seconds: launches x the profile's
-    ``launch``, or 0 where dispatch overlaps the device work (``dispatch_overlaps``; the stage's
+    """The launch time a device component adds to its own seconds: launches x ``launch_s``, or
+    0 where dispatch overlaps the device work (``dispatch_overlaps``; the stage's
     ``exposed_dispatch`` then holds what the device work does not hide)."""
     if dispatch_overlaps(pt):
         return 0.0
-    return launches * engine_value(params, pt.engine, "launch", pt.hardware, pt.host_cpu)
+    return launches * launch_s(pt, params)
 
 
 EXPOSED_DISPATCH = "kernel dispatch beyond device time"  # each stage's: "... (verify)"
@@ -921,7 +944,7 @@ def exposed_dispatch(pt: Point, params: dict, comps: list[Component]) -> list[Co
     weight reads takes 17 ms, and reading int4 weights instead (2.5 ms) leaves it at 17 ms."""
     if not dispatch_overlaps(pt):
         return []
-    launch = engine_value(params, pt.engine, "launch", pt.hardware, pt.host_cpu)
+    launch = launch_s(pt, params)
     out = []
     for stage in dict.fromkeys(c.stage for c in comps):
         own = [c for c in comps if c.stage is stage]

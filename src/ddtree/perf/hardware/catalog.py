@@ -46,7 +46,7 @@ _WEIGHT_NATIVE: dict[str, str | None] = {
     "fp32": None,
     "bf16": "bf16",
     "fp16": "fp16",
-    "int8": "int8",
+    "int8": None,  # weight-only int8 (GPTQ / AWQ 8-bit, gpt-fast): dequantised to 16 bits
     "fp8": "fp8",
     "fp8-block128": "fp8",
     "int4": None,  # per-channel
@@ -146,9 +146,11 @@ class Hardware:
     def native(self, fmt: str) -> bool:
         """Whether weights in ``fmt`` (a ``model.PRECISION_BYTES`` format, or ``nvfp4``) compute
         natively on this GPU's tensor / matrix units: ``fp8-block128`` needs fp8, ``fp4`` /
-        ``nvfp4`` fp4, ``mxfp4`` mxfp4; int4 formats (weight-only, dequantised) and fp32 never.
-        An entry without ``native_formats`` goes by its dense figures: bf16 / fp16 yes, fp8 and
-        int8 where it has an fp8 figure, fp4 and mxfp4 where it has an fp4 figure."""
+        ``nvfp4`` fp4, ``mxfp4`` mxfp4; the int formats (int8 and int4: weight-only GPTQ / AWQ /
+        gpt-fast weights, dequantised to 16 bits before a BF16 / FP16 MMA, whatever int8 units
+        the GPU has) and fp32 never.
+        An entry without ``native_formats`` goes by its dense figures: bf16 / fp16 yes, fp8
+        where it has an fp8 figure, fp4 and mxfp4 where it has an fp4 figure."""
         if fmt not in _WEIGHT_NATIVE:
             raise CatalogError(
                 f"hardware {self.key!r}: unknown weight format {fmt!r}; "
@@ -161,7 +163,7 @@ class Hardware:
             return need in self.native_formats
         if need in ("bf16", "fp16"):
             return True
-        return ("fp8" if need in ("fp8", "int8") else "fp4") in self.dense_flops
+        return ("fp8" if need == "fp8" else "fp4") in self.dense_flops
 
 
 def _figure(entry: dict, key: str, name: str, where: str, default_kind: str):

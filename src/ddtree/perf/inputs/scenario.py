@@ -499,7 +499,7 @@ def _point(
         block_size=block,
         budget=budget,
         engine=(engine := ctx.engine(merged.get("engine", "eager"), where)),
-        overlapped_dispatch=ctx.engines[engine].dispatch_overlaps,
+        launches=ctx.engines[engine].launches,
         drafter=drafter,
         policy=policy,
         deployment=deployment,

@@ -11,7 +11,7 @@ from typing import Any
 
 from ddtree.files import replace_atomically
 from ddtree.perf.cost.physics import memory_per_gpu
-from ddtree.perf.cost.step import LIMITS, dispatch_overlaps, launch_seconds, link_class
+from ddtree.perf.cost.step import LIMITS, dispatch_overlaps, launch_s, launch_seconds, link_class
 from ddtree.perf.hardware import units as u
 from ddtree.perf.hardware.catalog import load_hosts
 from ddtree.perf.inputs.fromrecords import PROFILE_OF_MODE
@@ -434,7 +434,7 @@ def _case_lines(est: Estimate, r: CaseResult) -> list[str]:
             f"positions, consecutive ones routing alike; g = routing_locality, "
             f"{c.status(gname) if gname in c.names else 'prior'}]"
         )
-    launch = r.point_params[f"{pt.engine}.launch"]
+    launch = launch_s(pt, r.point_params)
     ahead = " dispatched ahead of the GPU" if dispatch_overlaps(pt) else ""
     step = float(r.point.step_s)
     for comp in r.point.components:

@@ -45,7 +45,7 @@ COMPUTE_PRECISION = {
     "fp16": "bf16",
     "fp8": "fp8",
     "fp8-block128": "fp8",
-    "int8": "fp8",
+    "int8": "bf16",  # weight-only: dequantised, as int4
     "int4": "bf16",
     "int4-g32": "bf16",
     "int4-g64": "bf16",
