@@ -284,9 +284,9 @@ ENGINE_PARAMS: dict[str, tuple[float, str]] = {
 class Launches(StrEnum):
     """Where an engine mode's kernel launches cost time (``EngineProfile.launches``)."""
 
-    AHEAD = "host, ahead"  # host dispatches (eager PyTorch) that run ahead of a GPU's stream:
-    # each stage takes max(device work, dispatch); / host speed
-    HOST = "host"  # host launches added to the device work (llama.cpp's C++ loop); / host speed
+    AHEAD = "host, ahead"  # host launches (eager PyTorch's Python dispatch, llama.cpp's C++
+    # loop) that run ahead of a GPU's stream until a host sync: each stage takes max(device
+    # work, launches); / host speed
     DEVICE = "device"  # graph nodes the GPU replays (CUDA graphs): added; the host CPU does not
     # matter
 
@@ -367,8 +367,9 @@ ENGINES: dict[str, EngineProfile] = {
         about="a C++ runtime that launches every kernel itself, without graph replay or Python "
         "(llama.cpp's CUDA backend before CUDA graphs): ~20 kernels per GQA layer at a CUDA "
         "launch of ~4 us each, i.e. ~1.2 us per kernel of ddtree's eager count (KERNELS: 65 per "
-        "GQA layer with its MLP); the step a graph build and sampling on the host (all assumed)",
-        launches=Launches.HOST,
+        "GQA layer with its MLP), asynchronous, so they run ahead of the GPU until the token's "
+        "sync (Launches.AHEAD); the step a graph build and sampling on the host (all assumed)",
+        launches=Launches.AHEAD,
     ),
     "native": EngineProfile(
         "native",
@@ -909,7 +910,7 @@ def launch_kind(pt: Point) -> Launches:
 
 def dispatch_overlaps(pt: Point) -> bool:
     """True when the point's kernel launches run ahead of its device work rather than adding to
-    it: host dispatches (``Launches.AHEAD``: eager PyTorch) on a GPU, whose stream queues the
+    it: host launches (``Launches.AHEAD``: eager PyTorch, llama.cpp) on a GPU, whose stream queues the
     kernels while the host dispatches the next. On a device without a GPU generation (this
     machine's CPU) the host runs the kernels itself."""
     return launch_kind(pt) is Launches.AHEAD and bool(getattr(pt.hardware, "generation", ""))
@@ -917,8 +918,8 @@ def dispatch_overlaps(pt: Point) -> bool:
 
 def launch_s(pt: Point, params: dict):
     """One launch's time: the profile's ``launch``, / the host CPU's speed where the host pays it
-    (``Launches.AHEAD`` and ``HOST``); a replayed graph node's is the GPU's (``DEVICE``), the
-    same on any host."""
+    (``Launches.AHEAD``); a replayed graph node's is the GPU's (``DEVICE``), the same on any
+    host."""
     host = None if launch_kind(pt) is Launches.DEVICE else pt.host_cpu
     return engine_value(params, pt.engine, "launch", pt.hardware, host)
 
