@@ -910,9 +910,9 @@ def launch_kind(pt: Point) -> Launches:
 
 def dispatch_overlaps(pt: Point) -> bool:
     """True when the point's kernel launches run ahead of its device work rather than adding to
-    it: host launches (``Launches.AHEAD``: eager PyTorch, llama.cpp) on a GPU, whose stream queues the
-    kernels while the host dispatches the next. On a device without a GPU generation (this
-    machine's CPU) the host runs the kernels itself."""
+    it: host launches (``Launches.AHEAD``: eager PyTorch, llama.cpp) on a GPU, whose stream
+    queues the kernels while the host launches the next. On a device without a GPU generation
+    (this machine's CPU) the host runs the kernels itself."""
     return launch_kind(pt) is Launches.AHEAD and bool(getattr(pt.hardware, "generation", ""))
 
 
@@ -955,8 +955,7 @@ def exposed_dispatch(pt: Point, params: dict, comps: list[Component]) -> list[Co
         device = sum(c.seconds for c in own if c.bound in (Bound.MEMORY, Bound.COMPUTE))
         out.append(Component(
             f"{EXPOSED_DISPATCH} ({stage})", stage, np.maximum(0.0, launches * launch - device),
-            0.0, 0.0,
-            0.0, Bound.HOST,
+            0.0, 0.0, 0.0, Bound.HOST,
             f"{pt.engine} engine on the {pt.host_cpu} host: constant across GPUs, / host speed",
             f"max(0, {launches:.0f} launches x {pt.engine}.launch - the stage's device time)",
         ))  # fmt: skip
