@@ -936,6 +936,12 @@ def launch_seconds(pt: Point, params: dict, launches):
 EXPOSED_DISPATCH = "kernel dispatch beyond device time"  # each stage's: "... (verify)"
 
 
+def device_s(comps: list[Component]):
+    """The device time of ``comps``: their memory- and compute-bound components' seconds (with
+    whatever launch time those carry), not their host or link time."""
+    return sum(c.seconds for c in comps if c.bound in (Bound.MEMORY, Bound.COMPUTE))
+
+
 def exposed_dispatch(pt: Point, params: dict, comps: list[Component]) -> list[Component]:
     """Where dispatch overlaps the device work (``dispatch_overlaps``), one component per
     stage: max(0, the stage's launches x ``launch`` - its device time). The host queues a
@@ -952,9 +958,9 @@ def exposed_dispatch(pt: Point, params: dict, comps: list[Component]) -> list[Co
         launches = sum(c.launches for c in own)
         if not launches:
             continue
-        device = sum(c.seconds for c in own if c.bound in (Bound.MEMORY, Bound.COMPUTE))
         out.append(Component(
-            f"{EXPOSED_DISPATCH} ({stage})", stage, np.maximum(0.0, launches * launch - device),
+            f"{EXPOSED_DISPATCH} ({stage})", stage,
+            np.maximum(0.0, launches * launch - device_s(own)),
             0.0, 0.0, 0.0, Bound.HOST,
             f"{pt.engine} engine on the {pt.host_cpu} host: constant across GPUs, / host speed",
             f"max(0, {launches:.0f} launches x {pt.engine}.launch - the stage's device time)",
@@ -1297,8 +1303,7 @@ def layer_floor(
     name = f"layer_floor.{gen}"
     if not gen or name not in params:
         return None
-    device = sum(c.seconds for c in comps if c.bound in (Bound.MEMORY, Bound.COMPUTE))
-    secs = np.maximum(0.0, model.num_layers * params[name] - device)
+    secs = np.maximum(0.0, model.num_layers * params[name] - device_s(comps))
     return Component(
         "per-layer kernel floor", fwd.stage, secs, 0.0, 0.0, 0.0, Bound.HOST,
         f"a {gen} kernel's small-batch floor: constant across bandwidth",
