@@ -18,8 +18,7 @@ command is what a later one of the same document reads; a document needs no othe
 - Cheap commands (the estimator's, eager ``generate``, ``python`` blocks that need no server)
   run in the fast suite; the rest are
   marked slow (CI runs them). ``SKIPPED`` names the commands no CPU machine can run, with the
-  reason; ``FLAKY`` the ones with a known intermittent failure (xfail when they fail); every
-  other command must pass.
+  reason; every other command must pass.
 """
 
 from __future__ import annotations
@@ -86,15 +85,6 @@ SKIPPED = {
     "make test": "this test suite itself",
     "torchrun --nnodes 2": "needs two machines with 8 CUDA GPUs each",
     "torchrun --nproc-per-node 8 -m ddtree bench allreduce --tp 8 --device cuda": "needs 8 GPUs",
-}
-
-# Runs, but not reliably: reported as xfail when it fails, so the failure stays visible.
-FLAKY: dict[str, str] = {
-    'torchrun --nproc-per-node 2 -m ddtree generate --tp 2 --prompt "def parse("': (
-        "rank 1 now and then aborts ('terminate called without an active exception', SIGABRT) "
-        "while the gloo group closes on a loaded 2-core machine: 1 of 1 in a fresh-clone CI run "
-        "that shared the cores with other jobs, 0 of 7 runs alone (issue 30's notes)"
-    ),
 }
 
 
@@ -188,7 +178,7 @@ def test_the_readme_has_the_commands_this_test_expects():
     assert len(COMMANDS_IN_DOCS) >= 50
     paths = {c.path for c in COMMANDS_IN_DOCS if c.path}
     assert {p for p, _, _ in COMMANDS} - paths == set()  # every ddtree command is shown
-    for start in [*SKIPPED, *FLAKY]:  # no exception outlives the command it was for
+    for start in SKIPPED:  # no exception outlives the command it was for
         assert sum(c.text.startswith(start) for c in COMMANDS_IN_DOCS) == 1, start
     assert set(SIZES) <= paths
     readme = [c for c in COMMANDS_IN_DOCS if c.doc == "README.md"]
@@ -361,11 +351,7 @@ def _params():
     for c in COMMANDS_IN_DOCS:
         if c.skipped:
             continue
-        marks = [] if c.fast else [pytest.mark.slow]
-        flaky = next((why for start, why in FLAKY.items() if c.text.startswith(start)), None)
-        if flaky:
-            marks.append(pytest.mark.xfail(reason=flaky, strict=False))
-        yield pytest.param(c, marks=marks, id=c.where)
+        yield pytest.param(c, marks=[] if c.fast else [pytest.mark.slow], id=c.where)
 
 
 @pytest.mark.parametrize("command", list(_params()))

@@ -24,6 +24,7 @@ their exit codes and the errors they reported (through the store) before dying.
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing
 import os
 import time
@@ -103,7 +104,7 @@ class Group:
     device: torch.device  # this rank's device for collectives and models
     timeout_s: float  # one collective
     ready_timeout_s: float  # every rank started / loaded
-    store: dist.Store
+    store: dist.Store | None  # None once a launched rank has closed the group
     launcher: str  # "spawned" | "torchrun"
     processes: list = field(default_factory=list)  # spawned ranks (on rank 0 only)
 
@@ -172,11 +173,17 @@ class Group:
     def close(self) -> None:
         """Leave the group; on rank 0, wait for the other ranks to have left (under a launcher
         rank 0 hosts the store the others tear down with: leaving first made a rank abort at
-        exit in about 1 run of 4) and for spawned ranks to exit."""
+        exit in about 1 run of 4) and for spawned ranks to exit. A launched rank then frees its
+        store client here, while Python runs: left to the interpreter's exit, its destructor ran
+        after Python's own teardown and aborted the rank ('terminate called without an active
+        exception', SIGABRT) in 7 of 105 torchrun runs on a loaded 2-core machine; 0 of 100
+        since."""
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.launcher == "torchrun":
             self._wait_until_all_left()
+            self.store = None
+            gc.collect()  # the process group's own references to it go with it
         for process in self.processes:
             process.join(EXIT_GRACE_S)
             if process.is_alive():
