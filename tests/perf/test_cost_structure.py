@@ -56,6 +56,35 @@ def test_memory_efficiency_is_component_x_generation_x_path_capped():
     assert memory_efficiency(p, "weights_efficiency", CAT["a100-sxm-80gb"], "bf16") == 0.6
     hot = {**p, "gen_efficiency.hopper": 1.5, "weights_efficiency": 0.9}
     assert memory_efficiency(hot, "weights_efficiency", hw, "bf16") == MAX_MEMORY_EFFICIENCY
+    # x the serving stack's kernels; a projection for no stack in particular ("any") takes 1
+    q = {**p, "stack_kernel.vllm": 0.5, "stack_kernel.sglang": 1.25}
+    assert memory_efficiency(q, "weights_efficiency", hw, "bf16", "vllm") == pytest.approx(0.36)
+    assert memory_efficiency(q, "weights_efficiency", hw, "bf16", "sglang") == pytest.approx(0.9)
+    assert memory_efficiency(q, "weights_efficiency", hw, "bf16", "any") == pytest.approx(0.72)
+    # "other" (engines of no named stack) has a host multiplier but no kernel multiplier: it
+    # streams at the shared efficiencies
+    assert "stack_host.other" in P and "stack_kernel.other" not in P
+    assert "stack_kernel.sglang" in P and "stack_kernel.any" not in P
+    assert memory_efficiency(q, "weights_efficiency", hw, "bf16", "other") == pytest.approx(0.72)
+
+
+def test_a_stacks_kernel_multiplier_scales_its_memory_bound_work_only():
+    # Llama-3.1-8B at C = 1 on an H100 (launches priced at 0): the weights stream, memory-bound;
+    # the stack's kernels at half its share of the peak take twice as long, another stack's and
+    # the host costs do not move
+    p0 = {**P, "graphs.launch": 0.0}
+    half = {**p0, "stack_kernel.vllm": 0.5 * p0.get("stack_kernel.vllm", 1.0)}
+    for name in ("dense MLP layers", "attention (weights + KV)", "LM head over M"):
+        b = step_cost(LLAMA, _point(stack="vllm"), p0, 1.0).find(name)
+        assert b.bound.value == "memory"
+        assert float(step_cost(LLAMA, _point(stack="vllm"), half, 1.0).find(name).seconds) == (
+            pytest.approx(2 * float(b.seconds)))  # fmt: skip
+        sg = _point(stack="sglang")
+        assert float(step_cost(LLAMA, sg, half, 1.0).find(name).seconds) == pytest.approx(
+            float(step_cost(LLAMA, sg, p0, 1.0).find(name).seconds))  # fmt: skip
+    host = [step_cost(LLAMA, _point(stack="vllm"), q, 1.0).find("framework overhead").seconds
+            for q in (p0, half)]  # fmt: skip
+    assert float(host[0]) == pytest.approx(float(host[1]))
 
 
 def test_the_layer_floor_binds_a_small_forward_only():

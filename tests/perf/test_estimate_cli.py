@@ -238,7 +238,8 @@ def test_policies_and_the_old_engine_name(tmp_path, capsys):
         '[[scenario]]\nname = "tree"\nhardware = "b200"\nblock_size = 16\nbudget = 32\n'
         'tau = 7\nengine = "graphs"\n'
     )
-    rc, out, err = _run(capsys, str(path), "--json", "--samples", "400")
+    # 2000 samples: at 400 the ratio of two sampled medians alone moves by ~8% (seed to seed)
+    rc, out, err = _run(capsys, str(path), "--json", "--samples", "2000")
     assert rc == 0
     assert "engine 'python' is now called 'eager'" in err
     doc = json.loads(out)
