@@ -911,7 +911,7 @@ def memory_efficiency(
     path = kernel_path(hw, fmt)
     if path != "16bit":
         eff = eff * params.get(f"path_efficiency.{path}", 1.0)
-    eff = eff * params.get(f"stack_kernel.{stack}", 1.0)
+    eff = eff * stack_scale(params, stack, "kernel")
     return np.minimum(eff, MAX_MEMORY_EFFICIENCY)
 
 
@@ -1444,17 +1444,17 @@ def kv_commit(model: ModelShape, pt: Point, params: dict, tau) -> Component:
     )  # fmt: skip
 
 
-def stack_scale(params: dict, pt: Point, what: str):
-    """``stack_<what>.<stack>`` for the point's serving stack (1 for "any": a projection for no
-    stack in particular takes the modes' shared values)."""
-    return params.get(f"stack_{what}.{pt.stack}", 1.0)
+def stack_scale(params: dict, stack: str, what: str):
+    """``stack_<what>.<stack>`` for a serving stack (1 for "any": a projection for no stack in
+    particular takes the shared values; 1 for a pair in ``NO_STACK_SCALE``)."""
+    return params.get(f"stack_{what}.{stack}", 1.0)
 
 
 def framework_overhead(pt: Point, params: dict) -> Component:
     return _host(
         "framework overhead", Stage.OTHER, pt,
         engine_value(params, pt.engine, "step_overhead", pt.hardware, pt.host_cpu)
-        * stack_scale(params, pt, "host"),
+        * stack_scale(params, pt.stack, "host"),
         f"{pt.engine} engine step overhead x stack_host.{pt.stack}",
     )  # fmt: skip
 
@@ -1470,7 +1470,7 @@ def spec_overhead(
     profile's own top-k, tree, layout, accept and commit figures)."""
     if not getattr(pt.hardware, "generation", ""):
         return None
-    secs = params[what] * stack_scale(params, pt, "spec") / host_speed(params, pt.host_cpu)
+    secs = params[what] * stack_scale(params, pt.stack, "spec") / host_speed(params, pt.host_cpu)
     if pt.tp > 1:
         secs = secs * params["spec_tp_scale"] ** np.log2(pt.tp)
     label = what.replace("_", " ")
