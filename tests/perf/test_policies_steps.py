@@ -1,5 +1,7 @@
 """EAGLE and MTP: drafting in k sequential steps, priced from the drafter's shape (issue 18)."""
 
+from dataclasses import replace
+
 import pytest
 
 from ddtree.perf.cost.step import (
@@ -112,6 +114,28 @@ def test_an_mtp_step_runs_the_targets_own_layer_k_times():
     # one token routes to 8 of 256 experts: 8 whole bf16 experts split over 8 GPUs, 3 times
     assert float(experts_touched(256, 8, 1)) == pytest.approx(8)
     assert moe.hbm_bytes == pytest.approx(3 * 8 * DS.expert_params * 2 / 8)
+
+
+def test_an_mtp_layer_is_one_full_attention_layer_whatever_the_config_counted():
+    # a config.json reader sets moe_layers (DeepSeek-R1: 58, MiniMax-M2: 62) and a hybrid's
+    # linear_layers; the MTP layer keeps none of those counts: one layer, its experts, its KV
+    r1 = PRESETS["deepseek-r1"]
+    assert r1.moe_layers == 58  # read from config.json, unlike the deepseek-v3 preset's -1
+    from_config = mtp_drafter(r1, None, "w")
+    assert from_config.layer_shape.num_moe_layers == 1
+    assert (
+        from_config.layer_shape.active_params()
+        == mtp_drafter(DS, None, "w").layer_shape.active_params()
+    )
+    pt = Point(CAT["b200"], 8, 1, 2000, 4, 3, "graphs", from_config, policy=POLICIES["mtp"])
+    same = Point(CAT["b200"], 8, 1, 2000, 4, 3, "graphs", mtp_drafter(DS, None, "w"),
+                 policy=POLICIES["mtp"])  # fmt: skip
+    assert step_cost(r1, pt, P, 2.8).stage_s(Stage.DRAFT) == pytest.approx(
+        step_cost(DS, same, P, 2.8).stage_s(Stage.DRAFT))  # fmt: skip
+    hybrid = replace(PRESETS["qwen3-next-80b-a3b"], mtp_layers=1)  # 36 linear, 12 full
+    layer = mtp_drafter(hybrid, None, "w").layer_shape
+    assert (layer.num_layers, layer.linear_layers, layer.attention_layers) == (1, 0, 1)
+    assert layer.kv_tokens_read(4096) == 4096
 
 
 def test_an_eagle_case_reports_its_speedup_over_ar(tmp_path):

@@ -354,8 +354,10 @@ def drafter_from(spec: dict, where: str) -> Drafter:
 
 def mtp_drafter(model: ModelShape, given: Drafter | None, where: str) -> Drafter:
     """Policy ``mtp``'s drafter: one decoder layer of the target's own shape (its experts if
-    it is MoE), at ``given``'s precision (else the target's attention precision), sharing the
-    target's LM head, plus eh_proj (2h -> h); refused for a model that ships no MTP layer."""
+    it is MoE; full attention, as the MTP layers of DeepSeek-V3, Qwen3-Next / 3.5 and
+    MiniMax-M2 are, whatever the target's sliding or linear layers), at ``given``'s precision
+    (else the target's attention precision), sharing the target's LM head, plus eh_proj
+    (2h -> h); refused for a model that ships no MTP layer."""
     if not model.mtp_layers:
         raise ScenarioError(
             f"{where}.policy: 'mtp' drafts with the target's multi-token-prediction layer; "
@@ -364,7 +366,8 @@ def mtp_drafter(model: ModelShape, given: Drafter | None, where: str) -> Drafter
     prec = given.precision if given is not None else model.precision["attention"]
     layer = replace(
         model, name=f"{model.name} MTP layer", num_layers=1,
-        first_k_dense=0 if model.n_routed_experts else 1,
+        first_k_dense=0 if model.n_routed_experts else 1, moe_layers=-1, linear_layers=0,
+        sliding_layers=0,
         precision={**{c: prec for c in model.precision if c != "kv_cache"},
                    "kv_cache": model.precision["kv_cache"]},
     )  # fmt: skip
