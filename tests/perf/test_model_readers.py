@@ -86,6 +86,29 @@ def test_qwen3_next_linear_attention():
                            "layer_types": ["mamba"] * 48})  # fmt: skip
 
 
+def test_qwen3_5_hybrid_dense_and_moe():
+    # Qwen3.5: Qwen3-Next's hybrid decoder (3 Gated DeltaNet layers, then 1 gated full-attention
+    # layer) inside a vision-language wrapper, its text model in text_config
+    for name, total, active, (linear, full), experts in (
+        ("Qwen--Qwen3.5-35B-A3B.json", 35e9, 3e9, (30, 10), (256, 8, 1)),
+        ("Qwen--Qwen3.5-397B-A17B.json", 397e9, 17e9, (45, 15), (512, 10, 1)),
+        ("Qwen--Qwen3.5-27B.json", 27e9, 27e9, (48, 16), (0, 0, 0)),
+    ):
+        m = load(name)
+        assert (m.linear_layers, m.attention_layers) == (linear, full), name
+        assert (m.n_routed_experts, m.top_k, m.n_shared_experts) == experts, name
+        assert m.attn_output_gate and m.mtp_layers == 1 and m.vocab_size == 248320
+        # the names count the vision tower too (~0.4B), and round
+        assert m.total_params() == pytest.approx(total, rel=0.03), name
+        assert m.active_params() == pytest.approx(active, rel=0.1), name
+        assert m.kv_tokens_read(4096) == full * 4096  # only the full layers keep a KV cache
+    assert PRESETS["qwen3.5-397b-a17b"].total_params() == load(
+        "Qwen--Qwen3.5-397B-A17B.json").total_params()  # fmt: skip
+    text = cfg("Qwen--Qwen3.5-35B-A3B.json")["text_config"]
+    no_types = {k: v for k, v in text.items() if k != "layer_types"}
+    assert shape_from_config(no_types).linear_layers == 30  # full_attention_interval 4
+
+
 def test_deepseek_v3_r1_and_kimi_k2():
     for name in ("deepseek-ai--DeepSeek-V3.json", "deepseek-ai--DeepSeek-R1.json"):
         m = load(name)
@@ -115,6 +138,20 @@ def test_glm4_moe():
     assert (m.first_k_dense, m.num_moe_layers, m.n_shared_experts) == (3, 89, 1)
     assert m.total_params() == pytest.approx(355e9, rel=0.02)  # GLM-4.5/4.7: 355B, 32B active
     assert with_emb(m) == pytest.approx(32e9, rel=0.05)  # "32B", rounded
+
+
+def test_glm_4_7_flash_mla():
+    # glm4_moe_lite: DeepSeek-style MLA (but 192 + 64 query / key dims, 256 value dims) and
+    # DeepSeek-style experts after one dense layer
+    m = load("zai-org--GLM-4.7-Flash.json")
+    assert m.attention == "mla" and (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim) == (
+        512, 192, 256)  # fmt: skip
+    assert (m.first_k_dense, m.num_moe_layers, m.n_routed_experts, m.top_k) == (1, 46, 64, 4)
+    assert m.n_shared_experts == 1 and m.mtp_layers == 1
+    assert m.kv_bytes_per_token_layer() == (512 + 64) * 2  # the latent and the rope key, bf16
+    assert m.total_params() == pytest.approx(30e9, rel=0.02)  # "30B-A3B"
+    assert m.active_params() - m.lm_head_params == pytest.approx(3e9, rel=0.1)
+    assert PRESETS["glm-4.7-flash"].active_params() == m.active_params()
 
 
 def test_mixtral_8x7b():

@@ -412,8 +412,15 @@ _LINEAR = ("attention", "routed_experts", "shared_experts", "dense_mlp")
 KNOWN_MODEL_TYPES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next",
     "deepseek_v2", "deepseek_v3", "kimi_k2", "gpt_oss", "glm4_moe", "gemma3", "gemma3_text",
-    "llama4", "llama4_text", "minimax_m2",
+    "llama4", "llama4_text", "minimax_m2", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+    "qwen3_5_moe_text", "glm4_moe_lite",
 )  # fmt: skip
+# Qwen3.5 / 3.6 (model_type qwen3_5[_moe], text_config qwen3_5[_moe]_text): Qwen3-Next's
+# hybrid decoder (Gated DeltaNet layers, every full_attention_interval-th layer gated full
+# attention, a shared expert beside the routed ones) under a vision-language wrapper; its
+# DeltaNet projections are split four ways (qkv, z, b, a) where Qwen3-Next fuses two, the
+# same weights in all
+_QWEN3_NEXT_LIKE = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 _UNKNOWN_RISK = re.compile(
     r"expert|moe|lora_rank|linear_|sliding|layer_types|window|chunk|mamba|ssm|conv_|nextn|mtp"
     r"|global_|interleave|hybrid|attn_type|block_types|kv_shared|sparse"
@@ -629,8 +636,9 @@ def _count(layers: int, pred) -> int:
 def shape_from_config(
     cfg: dict[str, Any], name: str = "config", where: str = "config"
 ) -> ModelShape:
-    """Read a HF config dict: Llama 3/4, Mistral/Mixtral, Qwen2/2-MoE/3/3-MoE/3-Next,
-    DeepSeek-V2/V3/R1, Kimi K2, gpt-oss, GLM-4.5 (glm4_moe), Gemma 3, MiniMax-M2. A field
+    """Read a HF config dict: Llama 3/4, Mistral/Mixtral, Qwen2/2-MoE/3/3-MoE/3-Next/3.5,
+    DeepSeek-V2/V3/R1, Kimi K2, gpt-oss, GLM-4.5 (glm4_moe), GLM-4.7-Flash (glm4_moe_lite:
+    DeepSeek-style MLA and experts), Gemma 3, MiniMax-M2. A field
     that changes the cost and is not understood is a ModelError naming it."""
     outer = cfg
     if "text_config" in cfg and "hidden_size" not in cfg:
@@ -703,7 +711,7 @@ def shape_from_config(
             step = int(get("interleave_moe_layer_step") or 1)
             explicit = get("moe_layers")
             moe_set = set(explicit) if explicit else set(range(step - 1, layers, step))
-        elif mtype in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
+        elif mtype in ("qwen2_moe", "qwen3_moe", *_QWEN3_NEXT_LIKE):
             only, step = set(get("mlp_only_layers") or []), int(get("decoder_sparse_step") or 1)
             moe_set = {i for i in range(layers) if i not in only and (i + 1) % step == 0}
         else:  # DeepSeek / Kimi / GLM: first_k_dense_replace, moe_layer_freq
@@ -733,7 +741,7 @@ def shape_from_config(
             window = int(get("sliding_window") or get("attention_chunk_size") or 0)
             if not window:
                 raise ModelError(f"{where}: layer_types has sliding layers but no sliding_window")
-    elif mtype == "qwen3_next":
+    elif mtype in _QWEN3_NEXT_LIKE:
         interval = int(need("full_attention_interval"))
         linear = _count(layers, lambda i: (i + 1) % interval != 0)
     elif mtype == "gemma3_text" or mtype == "gemma3":
@@ -795,9 +803,9 @@ def shape_from_config(
         )
     else:
         kw = dict(head_dim=int(get("head_dim") or hidden // heads))
-    if mtype == "qwen3_next" and get("attn_output_gate", True):  # Qwen3NextConfig default
+    if mtype in _QWEN3_NEXT_LIKE and get("attn_output_gate", True):  # the configs' default
         kw["attn_output_gate"] = True
-    mtp = int(get("num_nextn_predict_layers") or 0)
+    mtp = int(get("num_nextn_predict_layers") or get("mtp_num_hidden_layers") or 0)
     if mtype == "minimax_m2" and get("use_mtp"):
         mtp = int(get("num_mtp_modules") or 0) * int(get("mtp_transformer_layers") or 1)
     source = f"config.json ({where})" + (": " + "; ".join(notes) if notes else "")
@@ -862,6 +870,9 @@ _CONFIG_PRESETS = {
     "qwen3-next-80b-a3b": ("Qwen--Qwen3-Next-80B-A3B-Thinking.json",
                            "; the Instruct model publishes the same shapes (assumed)"),
     "deepseek-r1": ("deepseek-ai--DeepSeek-R1.json", ""),
+    "qwen3.5-35b-a3b": ("Qwen--Qwen3.5-35B-A3B.json", ""),
+    "qwen3.5-397b-a17b": ("Qwen--Qwen3.5-397B-A17B.json", ""),
+    "glm-4.7-flash": ("zai-org--GLM-4.7-Flash.json", ""),
     "mixtral-8x7b": ("mistralai--Mixtral-8x7B-v0.1.json", ""),
     "minimax-m2": ("MiniMaxAI--MiniMax-M2.5.json",
                    "; MiniMax-M2.5, read as MiniMax-M2 (the same minimax_m2 shapes, 230B / 10B "
