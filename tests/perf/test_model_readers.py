@@ -179,9 +179,46 @@ def test_modelopt_nvfp4_reads_hf_quant_config():
     assert "lm_head left unquantised" in m.source
 
 
-def test_gemma_4_is_refused_with_why():
-    with pytest.raises(ModelError, match="gemma4.*global_head_dim"):
-        load("google--gemma-4-26B-A4B.json")
+def test_gemma_4_full_layers_of_their_own_shape_and_a_dense_mlp_beside_the_experts():
+    m = load("google--gemma-4-26B-A4B.json")
+    sliding, full = m.softmax_kinds()
+    assert (sliding.layers, sliding.head_dim, sliding.kv_heads, sliding.window) == (
+        25,
+        256,
+        8,
+        1024,
+    )
+    assert (full.layers, full.head_dim, full.kv_heads, full.kv_projections) == (5, 512, 2, 1)
+    assert (m.num_moe_layers, m.n_routed_experts, m.top_k) == (30, 128, 8)  # top_k_experts
+    assert m.num_dense_layers == 30 and m.intermediate_size == 2112  # beside every MoE block
+    # card: 25.2B total (the embedding tied: total_params counts the LM head twice), 3.8B active
+    assert m.total_params() - m.lm_head_params == pytest.approx(25.2e9, rel=0.01)
+    assert m.active_params() == pytest.approx(3.8e9, rel=0.01)
+    assert PRESETS["gemma-4-26b-a4b"].kv_bytes_read(8192) == m.kv_bytes_read(8192)
+    # KV: the sliding layers at most their window, the full ones the context in their shape
+    per_sliding, per_full = 2 * 8 * 256 * 2, 2 * 2 * 512 * 2  # bytes/token/layer, bf16
+    assert m.kv_bytes_read(8192) == 25 * 1024 * per_sliding + 5 * 8192 * per_full
+    # TP 8: the 8 sliding KV heads split, the 2 full ones replicated 4x
+    assert m.kv_bytes_read(8192, 8) == 25 * 1024 * per_sliding / 8 + 5 * 8192 * per_full / 2
+    assert m.score_flops(8192, 1) == 4.0 * 16 * (25 * 1025 * 256 + 5 * 8193 * 512)
+    text = cfg("google--gemma-4-26B-A4B.json")["text_config"]
+    dense = shape_from_config({**text, "enable_moe_block": False})
+    assert dense.n_routed_experts == 0 and dense.num_dense_layers == 30
+    for key, value in (("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 10),
+                       ("use_double_wide_mlp", True)):  # fmt: skip
+        with pytest.raises(ModelError, match=f"{key} = {value!r}"):
+            shape_from_config({**text, key: value}, where="g.json")
+
+
+def test_one_shape_models_price_their_kv_as_before():
+    # kv_bytes_read / kv_bytes_per_token / score_flops over the softmax kinds equal the
+    # one-shape products for a model whose full and sliding layers share a shape
+    m = PRESETS["gpt-oss-120b"]  # 18 sliding (window 128) + 18 full layers
+    per = m.kv_bytes_per_token_layer()
+    assert m.kv_bytes_read(2048) == m.kv_tokens_read(2048) * per
+    assert m.kv_bytes_per_token(8) == m.attention_layers * per / min(8, m.num_kv_heads)
+    keys = m.kv_tokens_read(2048) + m.attention_layers * 4
+    assert m.score_flops(2048, 4) == keys * m.attention_flops_per_query_key()
 
 
 # ---- readers exercised on published configs edited in one field, and small configs ----

@@ -119,6 +119,19 @@ def test_kv_heads_that_neither_divide_nor_are_divided_are_refused():
     assert any("neither divides nor is divided by the 12 KV heads" in m for m in msgs)
 
 
+def test_a_full_layer_shape_of_its_own_is_checked_for_its_own_kv_heads():
+    import dataclasses
+
+    q = PRESETS["qwen3-30b-a3b"]  # 32 heads, 4 KV heads on every layer
+    gemma_like = dataclasses.replace(q, sliding_layers=40, sliding_window=1024, global_kv_heads=2)
+    msgs = [f.message for f in findings(gemma_like, _ar(gemma_like, "h100-sxm", tp=4))]
+    assert msgs == [f"tp 4 > 2 KV heads of {q.name}: each KV head (and its K/V projections) is "
+                    "replicated on 2 GPUs, priced as such"]  # fmt: skip
+    odd = dataclasses.replace(gemma_like, global_kv_heads=3)
+    msgs = [f.message for f in findings(odd, _ar(odd, "h100-sxm", tp=4))]
+    assert any("neither divides nor is divided by the 3 KV heads" in m for m in msgs)
+
+
 def test_tp64_replicates_the_kv_heads_and_is_slower_than_tp8():
     llama = PRESETS["llama-3.1-70b"]  # 64 heads, 8 KV heads
     ib = load_links()["ib-ndr"]

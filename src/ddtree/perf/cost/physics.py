@@ -99,9 +99,7 @@ def weight_bytes_per_gpu(model: ModelShape, pt: Point) -> float:
 def memory_per_gpu(model: ModelShape, pt: Point) -> MemoryUse:
     """The memory one GPU needs at the point's context, verify width and concurrency."""
     tokens = pt.context_tokens + pt.verify_width
-    kv_shard = 1 if model.attention == "mla" else min(pt.weight_shards, model.num_kv_heads)
-    kv = pt.requests_per_gpu * model.kv_tokens_read(tokens) * model.kv_bytes_per_token_layer()
-    kv = kv / kv_shard
+    kv = pt.requests_per_gpu * model.kv_bytes_read(tokens, pt.weight_shards)
     if pt.drafter is not None:
         kv += pt.requests_per_gpu * tokens * pt.drafter.kv_bytes_per_token / pt.weight_shards
     step_tokens = pt.verify_width * pt.requests_per_gpu
@@ -125,19 +123,19 @@ def findings(model: ModelShape, pt: Point) -> list[Finding]:
                 f"tp {shards} does not divide the {model.num_heads} attention heads of "
                 f"{model.name}; use a divisor of {model.num_heads}",
             ))  # fmt: skip
-        kv = model.num_kv_heads
-        if kv % shards and shards % kv:
-            out.append(Finding(
-                "refuse",
-                f"tp {shards} neither divides nor is divided by the {kv} KV heads of "
-                f"{model.name}: the KV heads cannot be split or replicated evenly",
-            ))  # fmt: skip
-        elif shards > kv:
-            out.append(Finding(
-                "note",
-                f"tp {shards} > {kv} KV heads of {model.name}: each KV head (and its K/V "
-                f"projections) is replicated on {shards // kv} GPUs, priced as such",
-            ))  # fmt: skip
+        for kv in sorted({k.kv_heads for k in model.softmax_kinds()} or {model.num_kv_heads}):
+            if kv % shards and shards % kv:
+                out.append(Finding(
+                    "refuse",
+                    f"tp {shards} neither divides nor is divided by the {kv} KV heads of "
+                    f"{model.name}: the KV heads cannot be split or replicated evenly",
+                ))  # fmt: skip
+            elif shards > kv:
+                out.append(Finding(
+                    "note",
+                    f"tp {shards} > {kv} KV heads of {model.name}: each KV head (and its K/V "
+                    f"projections) is replicated on {shards // kv} GPUs, priced as such",
+                ))  # fmt: skip
     elif model.num_heads % shards:
         out.append(Finding(
             "refuse",

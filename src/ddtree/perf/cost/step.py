@@ -991,11 +991,6 @@ def _host(name: str, stage: Stage, pt: Point, seconds, formula: str) -> Componen
     )  # fmt: skip
 
 
-def _kv_shard(model: ModelShape, tp: int) -> int:
-    # the MLA latent is replicated across TP ranks; GQA KV heads are split
-    return 1 if model.attention == "mla" else min(tp, model.num_kv_heads)
-
-
 def _state_bytes(model: ModelShape, pt: Point) -> float:
     """Linear-attention layers: each request's recurrent state, read and written once per
     forward (split over TP by value heads)."""
@@ -1015,15 +1010,9 @@ def attention(model: ModelShape, pt: Point, params: dict, fwd: Forward) -> Compo
     L, C, tp = model.num_layers, pt.requests_per_gpu, pt.weight_shards
     T = fwd.width * C
     weights = L * model.attention_params_per_shard(tp) * model.bytes_per_param("attention")
-    kv = (
-        C
-        * model.kv_tokens_read(fwd.context)
-        * model.kv_bytes_per_token_layer()
-        / _kv_shard(model, tp)
-    )
-    keys = model.kv_tokens_read(fwd.context) + model.attention_layers * fwd.width
+    kv = C * model.kv_bytes_read(fwd.context, tp)
     flops = 2.0 * T * L * model.attention_params_per_layer / tp + (
-        T * keys * model.attention_flops_per_query_key() / tp
+        T * model.score_flops(fwd.context, fwd.width) / tp
         + T * model.linear_layers * model.linear_flops_per_token_layer() / tp
     )
     return _device(
@@ -1435,8 +1424,7 @@ def kv_commit(model: ModelShape, pt: Point, params: dict, tau) -> Component:
     tau_v = 0.0 if tau is None else np.asarray(tau)
     return _device(
         "KV commit", Stage.COMMIT, pt, params,
-        pt.requests_per_gpu * tau_v * model.attention_layers * model.kv_bytes_per_token_layer()
-        * 2.0 / _kv_shard(model, pt.weight_shards)
+        pt.requests_per_gpu * tau_v * model.kv_bytes_per_token(pt.weight_shards) * 2.0
         + np.minimum(tau_v, 1.0) * _state_bytes(model, pt),
         0.0, "bf16", model.num_layers * KERNELS["commit_per_layer"],
         "C x tau x L_attn x KV bytes/token x 2 (read + write) + C x L_linear x state bytes x 2 "

@@ -289,7 +289,8 @@ def _model_lines(est: Estimate) -> list[str]:
         f"{m.expert_params / 1e6:.2f} M params x {m.bytes_per_param('routed_experts'):.4g} B "
         f"({m.precision['routed_experts']}); attention {m.attention_params_per_layer / 1e6:.1f} M "
         f"params/layer x {m.bytes_per_param('attention'):.4g} B; KV "
-        f"{m.kv_bytes_per_token_layer():.0f} B/token/layer; active params/token "
+        f"{m.kv_bytes_per_token() / 1e3:.1f} kB/token over {m.attention_layers} KV layers; "
+        "active params/token "
         f"{m.active_params() / 1e9:.1f} B"
     )
     if sf.drafter:

@@ -56,6 +56,19 @@ COMPUTE_PRECISION = {
 COMPONENTS = ("attention", "routed_experts", "shared_experts", "dense_mlp", "lm_head", "kv_cache")
 
 
+@dataclass(frozen=True)
+class SoftmaxLayers:
+    """Softmax-attention layers of one shape: how many, their head dim and KV heads, how many
+    K/V projections they keep (1 where the keys are the values), and the most keys they read
+    (their window; None: the whole context)."""
+
+    layers: int
+    head_dim: int
+    kv_heads: int
+    kv_projections: int
+    window: int | None
+
+
 class ModelError(ValueError):
     """A model config or preset the estimator cannot use."""
 
@@ -96,6 +109,13 @@ class ModelShape:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+    # Gemma 4: the full-attention layers' own shape (0: the sliding layers' head_dim and KV
+    # heads), their keys doubling as values (one K projection; the cache keeps K and V, as a
+    # paged layout does: assumed), and a dense MLP beside the MoE block in every layer
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    global_k_eq_v: bool = False
+    dense_mlp_beside_moe: bool = False
 
     def __post_init__(self) -> None:
         full = {c: "bf16" for c in COMPONENTS}
@@ -169,7 +189,25 @@ class ModelShape:
 
     @property
     def num_dense_layers(self) -> int:
-        return self.num_layers - self.num_moe_layers
+        """Layers with a dense MLP (Gemma 4: every layer, beside its MoE block)."""
+        return (
+            self.num_layers if self.dense_mlp_beside_moe else self.num_layers - self.num_moe_layers
+        )
+
+    def softmax_kinds(self) -> tuple[SoftmaxLayers, ...]:
+        """The softmax-attention layers by shape: sliding (or chunked) layers read at most their
+        window, full layers all of the context, in the full layers' own shape where the config
+        gives one (Gemma 4's global_head_dim / num_global_key_value_heads). Example (Gemma 4
+        26B-A4B): 25 sliding layers (head dim 256, 8 KV heads, window 1024) and 5 full ones
+        (head dim 512, 2 KV heads, K = V)."""
+        full = self.attention_layers - self.sliding_layers
+        return tuple(k for k in (
+            SoftmaxLayers(self.sliding_layers, self.head_dim, self.num_kv_heads, 2,
+                          self.sliding_window),
+            SoftmaxLayers(full, self.global_head_dim or self.head_dim,
+                          self.global_kv_heads or self.num_kv_heads,
+                          1 if self.global_k_eq_v else 2, None),
+        ) if k.layers)  # fmt: skip
 
     @property
     def attention_params_per_layer(self) -> float:
@@ -181,8 +219,16 @@ class ModelShape:
         lin = self.linear_attention_params_per_layer
         return (self.attention_layers * soft + self.linear_layers * lin) / self.num_layers
 
+    def _gqa_params(self, kind: SoftmaxLayers, shards: int = 1) -> float:
+        """One GQA layer's attention parameters on one of ``shards`` GPUs: q (with its output
+        gate) and o split ``shards`` ways, K/V split at most ``kv_heads`` ways."""
+        h, d = self.hidden_size, kind.head_dim
+        q_o = (3 if self.attn_output_gate else 2) * h * d * self.num_heads
+        k_v = kind.kv_projections * h * d * kind.kv_heads
+        return q_o / shards + k_v / min(shards, kind.kv_heads)
+
     @property
-    def softmax_attention_params_per_layer(self) -> int:
+    def softmax_attention_params_per_layer(self) -> float:
         h = self.hidden_size
         if self.attention == "mla":
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -196,9 +242,10 @@ class ModelShape:
             )
             o = self.num_heads * self.v_head_dim * h
             return q + kv + o
-        d = self.head_dim
-        q = self.num_heads * (2 if self.attn_output_gate else 1)
-        return h * d * (q + 2 * self.num_kv_heads) + self.num_heads * d * h
+        kinds = self.softmax_kinds()
+        if not kinds:  # every layer linear
+            return self._gqa_params(SoftmaxLayers(1, self.head_dim, self.num_kv_heads, 2, None))
+        return sum(k.layers * self._gqa_params(k) for k in kinds) / self.attention_layers
 
     def attention_params_per_shard(self, shards: int) -> float:
         """Attention parameters one of ``shards`` tensor-parallel GPUs holds: query and output
@@ -208,10 +255,10 @@ class ModelShape:
         if self.attention == "mla":
             soft = self.softmax_attention_params_per_layer / shards
         else:
-            d, h = self.head_dim, self.hidden_size
-            q_o = (3 if self.attn_output_gate else 2) * h * d * self.num_heads
-            k_v = 2 * h * d * self.num_kv_heads
-            soft = q_o / shards + k_v / min(shards, self.num_kv_heads)
+            kinds = self.softmax_kinds() or (SoftmaxLayers(1, self.head_dim, self.num_kv_heads,
+                                                           2, None),)  # fmt: skip
+            soft = sum(k.layers * self._gqa_params(k, shards) for k in kinds) / sum(
+                k.layers for k in kinds)  # fmt: skip
         if not self.linear_layers:
             return soft
         lin = self.linear_attention_params_per_layer / shards  # split by heads
@@ -238,17 +285,54 @@ class ModelShape:
         return full * context + self.sliding_layers * np.minimum(context, self.sliding_window)
 
     def kv_bytes_per_token_layer(self) -> float:
-        """KV-cache bytes one token adds to one layer (MLA: the shared latent + rope key)."""
+        """KV-cache bytes one token adds to one layer (MLA: the shared latent + rope key; a
+        model with full layers of their own shape: a sliding layer's, see ``kv_bytes_read``)."""
         b = PRECISION_BYTES[self.precision["kv_cache"]]
         if self.attention == "mla":
             return (self.kv_lora_rank + self.qk_rope_head_dim) * b
         return 2 * self.num_kv_heads * self.head_dim * b
 
+    def _kv_per_token(self, kind: SoftmaxLayers, tp: int) -> float:
+        """KV bytes one token adds to one layer of ``kind`` on one of ``tp`` GPUs: GQA's KV
+        heads split at most their count ways (whole heads replicated past it), MLA's latent
+        replicated."""
+        if self.attention == "mla":
+            return self.kv_bytes_per_token_layer()
+        b = PRECISION_BYTES[self.precision["kv_cache"]]
+        return 2 * kind.kv_heads * kind.head_dim * b / min(tp, kind.kv_heads)
+
+    def kv_bytes_read(self, context, tp: int = 1):
+        """KV-cache bytes one request's query reads over every layer at ``context``, on one of
+        ``tp`` GPUs: each softmax kind's layers x the keys it reads x its bytes per token.
+        Example (Llama 3.1 8B, bf16, one GPU) at 2048: 32 x 2048 x 2 x 8 x 128 x 2 B = 268 MB."""
+        return sum(
+            k.layers * (context if k.window is None else np.minimum(context, k.window))
+            * self._kv_per_token(k, tp)
+            for k in self.softmax_kinds()
+        )  # fmt: skip
+
+    def kv_bytes_per_token(self, tp: int = 1) -> float:
+        """KV-cache bytes one token adds over every layer, on one of ``tp`` GPUs."""
+        return sum(k.layers * self._kv_per_token(k, tp) for k in self.softmax_kinds())
+
     def attention_flops_per_query_key(self) -> float:
-        """FLOPs of one query attending to one key, all heads (MLA absorbed form)."""
+        """FLOPs of one query attending to one key, all heads (MLA absorbed form; a model
+        with full layers of their own shape: a sliding layer's, see ``score_flops``)."""
         if self.attention == "mla":
             return 2.0 * self.num_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
         return 4.0 * self.num_heads * self.head_dim
+
+    def score_flops(self, context, width: int):
+        """Attention-score FLOPs of one query token over every layer: the keys each softmax
+        kind reads (context or window, + the ``width`` new keys) x its FLOPs per query-key."""
+        if self.attention == "mla":
+            return (self.kv_tokens_read(context) + self.attention_layers * width) * (
+                self.attention_flops_per_query_key())  # fmt: skip
+        return sum(
+            k.layers * ((context if k.window is None else np.minimum(context, k.window)) + width)
+            * 4.0 * self.num_heads * k.head_dim
+            for k in self.softmax_kinds()
+        )  # fmt: skip
 
     def total_params(self) -> float:
         """Every parameter: all experts, the input embedding and the LM head (untied)."""
@@ -413,7 +497,7 @@ KNOWN_MODEL_TYPES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next",
     "deepseek_v2", "deepseek_v3", "kimi_k2", "gpt_oss", "glm4_moe", "gemma3", "gemma3_text",
     "llama4", "llama4_text", "minimax_m2", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
-    "qwen3_5_moe_text", "glm4_moe_lite",
+    "qwen3_5_moe_text", "glm4_moe_lite", "gemma4", "gemma4_text",
 )  # fmt: skip
 # Qwen3.5 / 3.6 (model_type qwen3_5[_moe], text_config qwen3_5[_moe]_text): Qwen3-Next's
 # hybrid decoder (Gated DeltaNet layers, every full_attention_interval-th layer gated full
@@ -441,13 +525,6 @@ _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                     "sliding_window_pattern": 6},
 }  # fmt: skip
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
-# Gemma 4: per-layer-type head dims (global_head_dim) and K = V sharing on global layers
-_REFUSED = {
-    "gemma4": "per-layer-type attention shapes (global_head_dim, num_global_key_value_heads, "
-    "attention_k_eq_v) and a dense MLP beside the MoE block in every layer; ModelShape has one "
-    "attention shape and one MLP kind per layer",
-    "gemma4_text": "see gemma4",
-}
 
 
 def _classify_module(name: str) -> str | None:
@@ -629,6 +706,21 @@ def _precision_from_quant(cfg: dict[str, Any], where: str = "config") -> tuple[d
     return out, notes
 
 
+def _refuse_gemma4_fields(cfg: dict[str, Any], where: str) -> None:
+    """Gemma 4 fields that change what a decode step reads in ways ModelShape has no term for
+    (the small sizes' per-layer input embeddings, KV shared across layers, a double-wide MLP):
+    refused, each named, when set."""
+    for key, why in (
+        ("hidden_size_per_layer_input", "per-layer input embeddings (an extra embedding read "
+         "per layer)"),
+        ("num_kv_shared_layers", "layers reusing an earlier layer's KV cache"),
+        ("use_double_wide_mlp", "a double-wide MLP in some layers"),
+    ):  # fmt: skip
+        if cfg.get(key):
+            raise ModelError(f"{where}: {key} = {cfg[key]!r} ({why}) is not priced; "
+                             "expected 0 / false, as Gemma 4 26B-A4B publishes")  # fmt: skip
+
+
 def _count(layers: int, pred) -> int:
     return sum(1 for i in range(layers) if pred(i))
 
@@ -638,7 +730,7 @@ def shape_from_config(
 ) -> ModelShape:
     """Read a HF config dict: Llama 3/4, Mistral/Mixtral, Qwen2/2-MoE/3/3-MoE/3-Next/3.5,
     DeepSeek-V2/V3/R1, Kimi K2, gpt-oss, GLM-4.5 (glm4_moe), GLM-4.7-Flash (glm4_moe_lite:
-    DeepSeek-style MLA and experts), Gemma 3, MiniMax-M2. A field
+    DeepSeek-style MLA and experts), Gemma 3/4, MiniMax-M2. A field
     that changes the cost and is not understood is a ModelError naming it."""
     outer = cfg
     if "text_config" in cfg and "hidden_size" not in cfg:
@@ -650,9 +742,6 @@ def shape_from_config(
                 cfg[k] = outer[k]
     mtype = str(cfg.get("model_type") or outer.get("model_type") or "")
     notes: list[str] = []
-    if mtype in _REFUSED or str(outer.get("model_type")) in _REFUSED:
-        key = str(outer.get("model_type")) if outer.get("model_type") in _REFUSED else mtype
-        raise ModelError(f"{where}: model_type {key!r} cannot be priced: {_REFUSED[key]}")
     if mtype not in KNOWN_MODEL_TYPES:
         risky = sorted(
             k for k in cfg
@@ -686,8 +775,15 @@ def shape_from_config(
     mla = bool(get("kv_lora_rank"))
 
     # ---- experts: how many, how wide, which layers -------------------------------------
+    gemma4 = mtype.startswith("gemma4")
+    if gemma4:
+        _refuse_gemma4_fields(cfg, where)
     experts = int(get("n_routed_experts") or get("num_experts") or get("num_local_experts") or 0)
-    top_k = int(get("num_experts_per_tok") or get("experts_per_token") or 0) if experts else 0
+    if gemma4 and not get("enable_moe_block"):
+        experts = 0  # Gemma 4's dense sizes: no MoE block, whatever num_experts says
+    top_k = int(
+        get("num_experts_per_tok") or get("experts_per_token") or get("top_k_experts") or 0
+    ) if experts else 0  # fmt: skip
     if experts and not top_k:
         raise ModelError(f"{where}: {experts} experts but no num_experts_per_tok")
     dense_inter = int(get("intermediate_size") or 0)
@@ -805,6 +901,13 @@ def shape_from_config(
         kw = dict(head_dim=int(get("head_dim") or hidden // heads))
     if mtype in _QWEN3_NEXT_LIKE and get("attn_output_gate", True):  # the configs' default
         kw["attn_output_gate"] = True
+    if gemma4:  # the full layers' own shape; a dense MLP beside the MoE block
+        kw.update(
+            global_head_dim=int(get("global_head_dim") or 0),
+            global_kv_heads=int(get("num_global_key_value_heads") or 0),
+            global_k_eq_v=bool(get("attention_k_eq_v")),
+            dense_mlp_beside_moe=bool(experts and dense_inter),
+        )
     mtp = int(get("num_nextn_predict_layers") or get("mtp_num_hidden_layers") or 0)
     if mtype == "minimax_m2" and get("use_mtp"):
         mtp = int(get("num_mtp_modules") or 0) * int(get("mtp_transformer_layers") or 1)
@@ -873,6 +976,7 @@ _CONFIG_PRESETS = {
     "qwen3.5-35b-a3b": ("Qwen--Qwen3.5-35B-A3B.json", ""),
     "qwen3.5-397b-a17b": ("Qwen--Qwen3.5-397B-A17B.json", ""),
     "glm-4.7-flash": ("zai-org--GLM-4.7-Flash.json", ""),
+    "gemma-4-26b-a4b": ("google--gemma-4-26B-A4B.json", ""),
     "mixtral-8x7b": ("mistralai--Mixtral-8x7B-v0.1.json", ""),
     "minimax-m2": ("MiniMaxAI--MiniMax-M2.5.json",
                    "; MiniMax-M2.5, read as MiniMax-M2 (the same minimax_m2 shapes, 230B / 10B "
