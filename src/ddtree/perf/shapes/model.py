@@ -242,10 +242,17 @@ class ModelShape:
             )
             o = self.num_heads * self.v_head_dim * h
             return q + kv + o
-        kinds = self.softmax_kinds()
-        if not kinds:  # every layer linear
-            return self._gqa_params(SoftmaxLayers(1, self.head_dim, self.num_kv_heads, 2, None))
-        return sum(k.layers * self._gqa_params(k) for k in kinds) / self.attention_layers
+        return self._softmax_gqa_params(1)
+
+    def _softmax_gqa_params(self, shards: int) -> float:
+        """GQA attention parameters per softmax layer on one of ``shards`` GPUs, averaged over
+        the softmax kinds (a model of linear layers only: what one would hold)."""
+        kinds = self.softmax_kinds() or (
+            SoftmaxLayers(1, self.head_dim, self.num_kv_heads, 2, None),
+        )
+        return sum(k.layers * self._gqa_params(k, shards) for k in kinds) / sum(
+            k.layers for k in kinds
+        )
 
     def attention_params_per_shard(self, shards: int) -> float:
         """Attention parameters one of ``shards`` tensor-parallel GPUs holds: query and output
@@ -255,10 +262,7 @@ class ModelShape:
         if self.attention == "mla":
             soft = self.softmax_attention_params_per_layer / shards
         else:
-            kinds = self.softmax_kinds() or (SoftmaxLayers(1, self.head_dim, self.num_kv_heads,
-                                                           2, None),)  # fmt: skip
-            soft = sum(k.layers * self._gqa_params(k, shards) for k in kinds) / sum(
-                k.layers for k in kinds)  # fmt: skip
+            soft = self._softmax_gqa_params(shards)
         if not self.linear_layers:
             return soft
         lin = self.linear_attention_params_per_layer / shards  # split by heads
