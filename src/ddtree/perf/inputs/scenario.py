@@ -371,7 +371,7 @@ def mtp_drafter(model: ModelShape, given: Drafter | None, where: str) -> Drafter
         precision={**{c: prec for c in model.precision if c != "kv_cache"},
                    "kv_cache": model.precision["kv_cache"]},
     )  # fmt: skip
-    per_token_kv = layer.kv_bytes_per_token_layer()
+    per_token_kv = layer.kv_bytes_per_token()
     return Drafter(
         params=float(layer.active_params() - layer.lm_head_params), layers=1, precision=prec,
         kv_bytes_per_token=per_token_kv,

@@ -68,6 +68,11 @@ class SoftmaxLayers:
     kv_projections: int
     window: int | None
 
+    def keys(self, context):
+        """Cached keys one query of these layers reads at ``context``: the context, or at most
+        the window."""
+        return context if self.window is None else np.minimum(context, self.window)
+
 
 class ModelError(ValueError):
     """A model config or preset the estimator cannot use."""
@@ -285,8 +290,7 @@ class ModelShape:
         layers: full layers read all of it, sliding-window (and chunked) ones at most the window;
         linear-attention layers read no KV (their state: ``state_bytes_per_request_layer``).
         Example (gpt-oss-120b: 36 layers, 18 of them window 128) at 2048: 18 x 2048 + 18 x 128."""
-        full = self.attention_layers - self.sliding_layers
-        return full * context + self.sliding_layers * np.minimum(context, self.sliding_window)
+        return sum(k.layers * k.keys(context) for k in self.softmax_kinds())
 
     def kv_bytes_per_token_layer(self) -> float:
         """KV-cache bytes one token adds to one layer (MLA: the shared latent + rope key; a
@@ -309,11 +313,8 @@ class ModelShape:
         """KV-cache bytes one request's query reads over every layer at ``context``, on one of
         ``tp`` GPUs: each softmax kind's layers x the keys it reads x its bytes per token.
         Example (Llama 3.1 8B, bf16, one GPU) at 2048: 32 x 2048 x 2 x 8 x 128 x 2 B = 268 MB."""
-        return sum(
-            k.layers * (context if k.window is None else np.minimum(context, k.window))
-            * self._kv_per_token(k, tp)
-            for k in self.softmax_kinds()
-        )  # fmt: skip
+        return sum(k.layers * k.keys(context) * self._kv_per_token(k, tp)
+                   for k in self.softmax_kinds())  # fmt: skip
 
     def kv_bytes_per_token(self, tp: int = 1) -> float:
         """KV-cache bytes one token adds over every layer, on one of ``tp`` GPUs."""
@@ -332,11 +333,8 @@ class ModelShape:
         if self.attention == "mla":
             return (self.kv_tokens_read(context) + self.attention_layers * width) * (
                 self.attention_flops_per_query_key())  # fmt: skip
-        return sum(
-            k.layers * ((context if k.window is None else np.minimum(context, k.window)) + width)
-            * 4.0 * self.num_heads * k.head_dim
-            for k in self.softmax_kinds()
-        )  # fmt: skip
+        return sum(k.layers * (k.keys(context) + width) * 4.0 * self.num_heads * k.head_dim
+                   for k in self.softmax_kinds())  # fmt: skip
 
     def total_params(self) -> float:
         """Every parameter: all experts, the input embedding and the LM head (untied)."""
