@@ -336,6 +336,23 @@ def test_model_form_fit_known_answers():
     assert corpus.fit_model_form(r, np.full(4000, 0.08)) == pytest.approx(0.2, abs=0.01)
 
 
+def test_a_held_out_sources_prediction_never_reads_its_own_measurements(tmp_path):
+    """Each leave-one-source-out refit starts from the priors' centres: a source's prediction
+    is the same whatever it measured. (Started from the fit on every source, as until round
+    12, the held-out source's own figure moved where its refit began and so where it ended.)"""
+    truth = params_at(default_params(), {"weights_efficiency": 0.62, "graphs.step_overhead": 1e-3})
+    for key, hw in ((B, "h200"), (C, "b200")):
+        _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth)])
+    predicted = []
+    for step in ("0.5 ms", "20 ms"):  # source A measured 4x fast, then 10x slow
+        _write_source(tmp_path, A, [{**_synthetic_point("a-ar", "h100-sxm", 0, truth),
+                                     "step": step}])  # fmt: skip
+        rows = {r.point.name: r for r in corpus.run(tmp_path, samples=100).rows}
+        assert rows["a-ar"].calibrated_on == [B, C]
+        predicted.append(rows["a-ar"].predicted_tokens_per_s)
+    assert predicted[0] == predicted[1]
+
+
 def test_a_sources_band_never_uses_its_own_residuals(tmp_path):
     truth = params_at(default_params(), {"weights_efficiency": 0.62, "graphs.step_overhead": 1e-3})
     for key, hw in ((A, "h100-sxm"), (B, "h200"), (C, "b200")):

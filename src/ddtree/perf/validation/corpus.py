@@ -471,8 +471,10 @@ def calibration_anchors(points: list[ValidationPoint]) -> list:
     ]
 
 
-def _predict_source(points, train, specs, samples, seed, start) -> list[_Held]:
-    cal = calibrate(calibration_anchors(train), specs, start=start, robust=CORPUS_ROBUST_SCALE)
+def _predict_source(points, train, samples, seed) -> list[_Held]:
+    """``points`` predicted from ``train_fit(train)`` (the fit every held-out prediction of
+    ``validate`` reads, from the priors' centres)."""
+    cal = train_fit(train)
     others = list(dict.fromkeys(p.source.key for p in train))
     out = []
     for i, p in enumerate(points):
@@ -481,16 +483,20 @@ def _predict_source(points, train, specs, samples, seed, start) -> list[_Held]:
     return out
 
 
-def _loso(points: list[ValidationPoint], samples: int, seed: int, start=None) -> list[_Held]:
-    """Leave-one-source-out: each source predicted from a calibration on the others' points
-    (started from ``start``, the fit on all of them, so each refit is a few steps)."""
-    specs = default_params()
+def _loso(points: list[ValidationPoint], samples: int, seed: int) -> list[_Held]:
+    """Leave-one-source-out: each source predicted from a calibration on the others' points,
+    started, as every corpus fit is, from the priors' centres. (Until round 12 each refit
+    started from the fit on all the points, the held-out source's included: the corpus fit
+    has many near-equal minima, a refit stays in the basin its start chose, and a parameter
+    only the held-out source informs, its GPU generation's or its stack's, kept the value that
+    source had pulled it to. On round 12's train split, 504 points / 75 sources at
+    ``--samples 500``: MAPE 22.9% so, 28.3% from the centres; the test split read 26.1%.)"""
     keys = list(dict.fromkeys(p.source.key for p in points))
     held = []
     for k, key in enumerate(keys):
         own = [p for p in points if p.source.key == key]
         rest = [p for p in points if p.source.key != key]
-        held += _predict_source(own, rest, specs, samples, seed + 100 * k, start)
+        held += _predict_source(own, rest, samples, seed + 100 * k)
     return held
 
 
@@ -525,10 +531,7 @@ def validate(points: list[ValidationPoint], samples: int = 2000, seed: int = 0) 
     averages out."""
     train = [p for p in points if split_of(p.source.key) == "train"]
     test = [p for p in points if split_of(p.source.key) == "test"]
-    specs = default_params()
-    full = train_fit(train) if train else None
-    start = None if full is None else full.mean_log
-    held = _loso(train, samples, seed, start) if len({p.source.key for p in train}) > 1 else []
+    held = _loso(train, samples, seed) if len({p.source.key for p in train}) > 1 else []
     rows = []
     rng = np.random.default_rng(seed + 7)
     pcts = sorted({p for b in BANDS for p in b} | {50})
@@ -547,7 +550,7 @@ def validate(points: list[ValidationPoint], samples: int = 2000, seed: int = 0) 
         [x.spec.point.anchor.noise for x in train_pairs],
     ) if train_pairs else 0.0  # fmt: skip
     if test and train:
-        for h in _predict_source(test, train, specs, samples, seed + 10_000, start):
+        for h in _predict_source(test, train, samples, seed + 10_000):
             rows.append(_row(h, sigma[kind_of(h.point)], "test", rng, pcts))
     return LosoResult(rows, sigma)
 
