@@ -17,8 +17,8 @@ command is what a later one of the same document reads; a document needs no othe
   starts, and at the end).
 - Cheap commands (the estimator's but its corpus validation, eager ``generate``, ``python``
   blocks that need no server) run in the fast suite; the rest are
-  marked slow (CI runs them). ``SKIPPED`` names the commands no CPU machine can run, with the
-  reason; every other command must pass.
+  marked slow (CI runs them). ``SKIPPED`` names the commands no CPU machine can run, or that
+  another test runs already, with the reason; every other command must pass.
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ REAL_SHAPE_IN_TESTS = "--preset tiny-qwen3"
 SKIPPED = {
     "make demo": "runs `ddtree demo` in .venv, which runs as written below",
     "make test": "this test suite itself",
+    "ddtree estimate --validate": "scores the bundled corpus, 75 fits of minutes on one core: "
+    "tests/perf/test_validate.py::test_bundled_corpus_is_scored_train_and_test runs it once",
     "torchrun --nnodes 2": "needs two machines with 8 CUDA GPUs each",
     "torchrun --nproc-per-node 8 -m ddtree bench allreduce --tp 8 --device cuda": "needs 8 GPUs",
 }

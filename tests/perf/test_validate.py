@@ -344,7 +344,7 @@ def test_a_held_out_sources_prediction_never_reads_its_own_measurements(tmp_path
     for key, hw in ((B, "h200"), (C, "b200")):
         _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth)])
     predicted = []
-    for step in ("0.5 ms", "20 ms"):  # source A measured 4x fast, then 10x slow
+    for step in ("0.5 ms", "20 ms"):  # source A measured 40x apart
         _write_source(tmp_path, A, [{**_synthetic_point("a-ar", "h100-sxm", 0, truth),
                                      "step": step}])  # fmt: skip
         rows = {r.point.name: r for r in corpus.run(tmp_path, samples=100).rows}

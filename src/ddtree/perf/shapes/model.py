@@ -13,6 +13,7 @@ copies in ai-dynamo/aiconfigurator ``model_configs/`` where it has them).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -205,6 +206,11 @@ class ModelShape:
         gives one (Gemma 4's global_head_dim / num_global_key_value_heads). Example (Gemma 4
         26B-A4B): 25 sliding layers (head dim 256, 8 KV heads, window 1024) and 5 full ones
         (head dim 512, 2 KV heads, K = V)."""
+        return self._softmax_kinds
+
+    @functools.cached_property
+    def _softmax_kinds(self) -> tuple[SoftmaxLayers, ...]:
+        # once per shape (frozen): a corpus fit asks for it ~100,000 times
         full = self.attention_layers - self.sliding_layers
         return tuple(k for k in (
             SoftmaxLayers(self.sliding_layers, self.head_dim, self.num_kv_heads, 2,
