@@ -353,6 +353,29 @@ def test_a_held_out_sources_prediction_never_reads_its_own_measurements(tmp_path
     assert predicted[0] == predicted[1]
 
 
+def test_worker_processes_give_the_same_scores_and_report_each_fit(tmp_path):
+    """``--jobs``: the fits run in worker processes give the numbers one process gives, in
+    the same order; progress names each held-out source once, and the test split's fit."""
+    truth = params_at(default_params(), {"weights_efficiency": 0.62, "graphs.step_overhead": 1e-3})
+    for key, hw in ((A, "h100-sxm"), (D, "h200"), ("b", "b200")):  # "b": a test source
+        _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth),
+                                      _synthetic_point(f"{key}-chain", hw, 15, truth)])  # fmt: skip
+    points = corpus.load_points(tmp_path)
+    assert corpus.fit_count(points) == 3  # A and D left out in turn, then "b" from both
+    runs = []
+    for jobs in (1, 2):
+        labels = []
+        v = corpus.run(tmp_path, samples=100, jobs=jobs, advance=labels.append)
+        runs.append(v)
+        assert sorted(labels) == sorted([A, D, "b"])
+    one, two = ([(r.point.name, r.split, r.predicted_tokens_per_s, r.band_tokens_per_s)
+                 for r in v.rows] for v in runs)  # fmt: skip
+    assert [r[:2] for r in one] == [("a-ar", "train"), ("a-chain", "train"), ("i-ar", "train"),
+                                    ("i-chain", "train"), ("b-ar", "test"), ("b-chain", "test")]  # fmt: skip
+    assert one == two
+    assert runs[0].model_form_sigma == runs[1].model_form_sigma
+
+
 def test_a_sources_band_never_uses_its_own_residuals(tmp_path):
     truth = params_at(default_params(), {"weights_efficiency": 0.62, "graphs.step_overhead": 1e-3})
     for key, hw in ((A, "h100-sxm"), (B, "h200"), (C, "b200")):

@@ -91,6 +91,15 @@ DEFAULT_THREADS = 1
 THREADS_ENV = "OMP_NUM_THREADS"
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity; the machine's count where the platform
+    has none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def threads(text: str) -> int:
     """torch CPU threads: 0 (torch's default) up to this machine's CPU count."""
     return int_in(0, os.cpu_count() or 1, what="a thread count (0: torch's default)")(text)

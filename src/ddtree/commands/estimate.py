@@ -9,8 +9,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from ddtree.commands._args import add_json_argument, int_list, output_folder, positive_int, seed
+from ddtree.commands._args import (
+    add_json_argument,
+    available_cpus,
+    int_list,
+    output_folder,
+    positive_int,
+    seed,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the other train sources) and test (predicted from all train sources, never fitted); "
         "prints every point, the scores of each split, the test scores last",
     )
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=available_cpus(),
+        help="with --validate: worker processes for its fits, one per held-out source (default: "
+        "the CPUs this process may use, %(default)s; the scores are the same whatever it is)",
+    )
     add_oversubscribe_argument(p)
     p.add_argument(
         "--samples",
@@ -106,11 +121,14 @@ def run(args: argparse.Namespace) -> int:
 
 def validate(args: argparse.Namespace) -> int:
     """``--validate``: score the estimator on the published measurements, table or JSON."""
-    from ddtree.commands._output import console
+    from ddtree.commands._output import console, progress
     from ddtree.perf.report import render as report
     from ddtree.perf.validation import corpus
 
-    v = corpus.run(args.validate or None, min(args.samples, 2000), args.seed)
+    folder = corpus.BUNDLED if not args.validate else Path(args.validate)
+    points = corpus.load_points(folder)
+    with progress(f"validate ({args.jobs} jobs), fits", total=corpus.fit_count(points)) as bar:
+        v = corpus.run(folder, min(args.samples, 2000), args.seed, args.jobs, bar.advance, points)
     if args.json:
         print(report.validation_json(v))
     else:

@@ -39,8 +39,11 @@ calibration less.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import tomllib
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -385,15 +388,6 @@ def _assumed(raw, point: dict, where: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(raw))
 
 
-def _predict(a: StepAnchor, cal: Calibration, samples: int, seed: int):
-    """(tok/s at the calibrated values, the posterior's tok/s samples [samples], how they were
-    drawn)."""
-    point = float(anchor_tokens_per_s(a, cal.values))
-    draws = posterior_samples(cal, samples, np.random.default_rng(seed))
-    tps = np.broadcast_to(np.asarray(anchor_tokens_per_s(a, draws.params), float), samples)
-    return point, tps, draws.describe()
-
-
 @dataclass
 class _Held:
     """A held-out point's prediction before its band: what the model-form fit reads."""
@@ -473,31 +467,83 @@ def calibration_anchors(points: list[ValidationPoint]) -> list:
 
 def _predict_source(points, train, samples, seed) -> list[_Held]:
     """``points`` predicted from ``train_fit(train)`` (the fit every held-out prediction of
-    ``validate`` reads, from the priors' centres)."""
+    ``validate`` reads, from the priors' centres): each point at the fit's values, and over
+    one set of ``samples`` posterior draws that all of them share (the draws are the fit's,
+    not a point's: one importance-sampled posterior per fit, not one per point)."""
     cal = train_fit(train)
+    draws = posterior_samples(cal, samples, np.random.default_rng(seed))
     others = list(dict.fromkeys(p.source.key for p in train))
     out = []
-    for i, p in enumerate(points):
-        point, tps, how = _predict(p.anchor, cal, samples, seed + i)
-        out.append(_Held(p, point, tps, others, how))
+    for p in points:
+        point = float(anchor_tokens_per_s(p.anchor, cal.values))
+        tps = np.asarray(anchor_tokens_per_s(p.anchor, draws.params), float)
+        out.append(_Held(p, point, np.broadcast_to(tps, samples), others, draws.describe()))
     return out
 
 
-def _loso(points: list[ValidationPoint], samples: int, seed: int) -> list[_Held]:
-    """Leave-one-source-out: each source predicted from a calibration on the others' points,
-    started, as every corpus fit is, from the priors' centres. (Until round 12 each refit
-    started from the fit on all the points, the held-out source's included: the corpus fit
-    has many near-equal minima, a refit stays in the basin its start chose, and a parameter
-    only the held-out source informs, its GPU generation's or its stack's, kept the value that
-    source had pulled it to. On round 12's train split, 504 points / 75 sources at
-    ``--samples 500``: MAPE 22.9% so, 28.3% from the centres; the test split read 26.1%.)"""
+def _predict_task(task: tuple) -> list[_Held]:
+    """``_predict_source`` of one (points, train, samples, seed): a pool worker's unit."""
+    return _predict_source(*task)
+
+
+def _predict_all(tasks: list[tuple], jobs: int, advance: Callable[[str], None] | None):
+    """``_predict_source`` of every (points, train, samples, seed) task, in the tasks' order
+    whatever ``jobs`` is (each task's fit and draws read only its own arguments and seed, so
+    one worker or several give the same numbers); ``advance(label)`` after each task, with the
+    held-out points' source. ``jobs`` > 1: that many worker processes ("spawn": a fresh
+    interpreter, nothing inherited from a parent that may hold torch's threads)."""
+
+    def label(task) -> str:
+        keys = sorted({p.source.key for p in task[0]})
+        return keys[0] if len(keys) == 1 else f"{len(keys)} sources"
+
+    if jobs <= 1 or len(tasks) <= 1:
+        out = []
+        for task in tasks:
+            out.append(_predict_task(task))
+            if advance:
+                advance(label(task))
+        return out
+    results: dict[int, list[_Held]] = {}
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
+        futures = {pool.submit(_predict_task, task): i for i, task in enumerate(tasks)}
+        for done in as_completed(futures):
+            i = futures[done]
+            results[i] = done.result()
+            if advance:
+                advance(label(tasks[i]))
+    return [results[i] for i in range(len(tasks))]
+
+
+def _loso_tasks(points: list[ValidationPoint], samples: int, seed: int) -> list[tuple]:
+    """Leave-one-source-out: one (held-out source's points, the others' points, samples,
+    seed) task per source, each predicted from a calibration on the others' points, started,
+    as every corpus fit is, from the priors' centres. (Until round 12 each refit started from
+    the fit on all the points, the held-out source's included: the corpus fit has many
+    near-equal minima, a refit stays in the basin its start chose, and a parameter only the
+    held-out source informs, its GPU generation's or its stack's, kept the value that source
+    had pulled it to. On round 12's train split, 504 points / 75 sources at ``--samples
+    500``: MAPE 22.9% so, 28.3% from the centres; the test split read 26.1%.)"""
     keys = list(dict.fromkeys(p.source.key for p in points))
-    held = []
-    for k, key in enumerate(keys):
-        own = [p for p in points if p.source.key == key]
-        rest = [p for p in points if p.source.key != key]
-        held += _predict_source(own, rest, samples, seed + 100 * k)
-    return held
+    return [
+        (
+            [p for p in points if p.source.key == key],
+            [p for p in points if p.source.key != key],
+            samples,
+            seed + 100 * k,
+        )
+        for k, key in enumerate(keys)
+    ]
+
+
+def _fit_tasks(train, test, samples: int, seed: int) -> list[tuple]:
+    """``validate``'s fits: the train sources left out one at a time (when there are two or
+    more), then the test split from every train point (when there are both)."""
+    tasks = _loso_tasks(train, samples, seed) if len({p.source.key for p in train}) > 1 else []
+    if test and train:
+        tasks.append((test, train, samples, seed + 10_000))
+    return tasks
 
 
 @dataclass
@@ -516,7 +562,13 @@ def _row(h: _Held, sigma_s: float, split: str, rng, pcts) -> ValidationRow:
     )  # fmt: skip
 
 
-def validate(points: list[ValidationPoint], samples: int = 2000, seed: int = 0) -> LosoResult:
+def validate(
+    points: list[ValidationPoint],
+    samples: int = 2000,
+    seed: int = 0,
+    jobs: int = 1,
+    advance: Callable[[str], None] | None = None,
+) -> LosoResult:
     """Train sources (``split_of``) leave-one-source-out, test sources predicted from a
     calibration on every train point; no fit ever reads a test point.
 
@@ -528,10 +580,14 @@ def validate(points: list[ValidationPoint], samples: int = 2000, seed: int = 0) 
     never informs its own band). The calibrations keep the declared noise: the model-form
     error is the spread of a whole setup's level around the model (shared by a source's
     points), which the prediction of a new setup carries and a calibration across setups
-    averages out."""
+    averages out.
+
+    ``jobs``: worker processes for the fits (one per held-out train source, and one for the
+    test split), the same numbers whatever it is; ``advance(label)`` after each fit."""
     train = [p for p in points if split_of(p.source.key) == "train"]
     test = [p for p in points if split_of(p.source.key) == "test"]
-    held = _loso(train, samples, seed) if len({p.source.key for p in train}) > 1 else []
+    predicted = _predict_all(_fit_tasks(train, test, samples, seed), jobs, advance)
+    held = [h for part in predicted[: len(predicted) - bool(test and train)] for h in part]
     rows = []
     rng = np.random.default_rng(seed + 7)
     pcts = sorted({p for b in BANDS for p in b} | {50})
@@ -550,7 +606,7 @@ def validate(points: list[ValidationPoint], samples: int = 2000, seed: int = 0) 
         [x.spec.point.anchor.noise for x in train_pairs],
     ) if train_pairs else 0.0  # fmt: skip
     if test and train:
-        for h in _predict_source(test, train, samples, seed + 10_000):
+        for h in predicted[-1]:
             rows.append(_row(h, sigma[kind_of(h.point)], "test", rng, pcts))
     return LosoResult(rows, sigma)
 
@@ -572,8 +628,25 @@ def fit_corpus_prior(folder: str | Path | None = None) -> CorpusPrior:
     return CorpusPrior(values, len(train), len({p.source.key for p in train}))
 
 
-def run(folder: str | Path | None = None, samples: int = 2000, seed: int = 0) -> Validation:
-    """Validate on ``folder`` (None: the bundled corpus, ``BUNDLED``)."""
+def fit_count(points: list[ValidationPoint]) -> int:
+    """How many fits ``validate`` makes of ``points`` (``_fit_tasks``)."""
+    train = [p for p in points if split_of(p.source.key) == "train"]
+    test = [p for p in points if split_of(p.source.key) == "test"]
+    return len(_fit_tasks(train, test, 1, 0))
+
+
+def run(
+    folder: str | Path | None = None,
+    samples: int = 2000,
+    seed: int = 0,
+    jobs: int = 1,
+    advance: Callable[[str], None] | None = None,
+    points: list[ValidationPoint] | None = None,
+) -> Validation:
+    """Validate on ``folder`` (None: the bundled corpus, ``BUNDLED``), or on its ``points``
+    when the caller has loaded them (to size a progress bar by ``fit_count``); ``jobs`` and
+    ``advance`` as ``validate``'s."""
     folder = BUNDLED if folder is None else Path(folder)
-    result = validate(load_points(folder), samples, seed)
+    result = validate(load_points(folder) if points is None else points, samples, seed, jobs,
+                      advance)  # fmt: skip
     return Validation(result.rows, str(folder), samples, result.model_form_sigma)
