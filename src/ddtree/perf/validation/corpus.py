@@ -508,11 +508,15 @@ def _predict_all(tasks: list[tuple], jobs: int, advance: Callable[[str], None] |
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
         futures = {pool.submit(_predict_task, task): i for i, task in enumerate(tasks)}
-        for done in as_completed(futures):
-            i = futures[done]
-            results[i] = done.result()
-            if advance:
-                advance(label(tasks[i]))
+        try:
+            for done in as_completed(futures):
+                i = futures[done]
+                results[i] = done.result()
+                if advance:
+                    advance(label(tasks[i]))
+        except BaseException:  # a fit's error or Ctrl-C: the queued fits are not started
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     return [results[i] for i in range(len(tasks))]
 
 
