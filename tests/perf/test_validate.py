@@ -367,7 +367,7 @@ def test_worker_processes_give_the_same_scores_and_report_each_fit(tmp_path):
         labels = []
         v = corpus.run(tmp_path, samples=100, jobs=jobs, advance=labels.append)
         runs.append(v)
-        assert sorted(labels) == sorted([A, D, "b"])
+        assert sorted(labels) == sorted([A, D, "test split (1 source)"])
     one, two = ([(r.point.name, r.split, r.predicted_tokens_per_s, r.band_tokens_per_s)
                  for r in v.rows] for v in runs)  # fmt: skip
     assert [r[:2] for r in one] == [("a-ar", "train"), ("a-chain", "train"), ("i-ar", "train"),

@@ -481,73 +481,79 @@ def _predict_source(points, train, samples, seed) -> list[_Held]:
     return out
 
 
-def _predict_task(task: tuple) -> list[_Held]:
-    """``_predict_source`` of one (points, train, samples, seed): a pool worker's unit."""
-    return _predict_source(*task)
+@dataclass(frozen=True)
+class _Fit:
+    """One calibration ``validate`` makes: on ``train``, predicting ``points`` (a held-out
+    train source's, or the test split's) over ``samples`` posterior draws from ``seed``."""
+
+    split: str  # "train" (a source left out) or "test"
+    points: list[ValidationPoint]
+    train: list[ValidationPoint]
+    samples: int
+    seed: int
+
+    @property
+    def label(self) -> str:
+        keys = list(dict.fromkeys(p.source.key for p in self.points))
+        n = len(keys)
+        return keys[0] if self.split == "train" else f"test split ({n} source{'s' * (n > 1)})"
 
 
-def _predict_all(tasks: list[tuple], jobs: int, advance: Callable[[str], None] | None):
-    """``_predict_source`` of every (points, train, samples, seed) task, in the tasks' order
-    whatever ``jobs`` is (each task's fit and draws read only its own arguments and seed, so
-    one worker or several give the same numbers); ``advance(label)`` after each task, with the
-    held-out points' source. ``jobs`` > 1: that many worker processes ("spawn": a fresh
-    interpreter, nothing inherited from a parent that may hold torch's threads)."""
+def _run_fit(fit: _Fit) -> list[_Held]:
+    """``_predict_source`` of one fit: a worker process's unit."""
+    return _predict_source(fit.points, fit.train, fit.samples, fit.seed)
 
-    def label(task) -> str:
-        keys = sorted({p.source.key for p in task[0]})
-        return keys[0] if len(keys) == 1 else f"{len(keys)} sources"
 
-    if jobs <= 1 or len(tasks) <= 1:
+def _run_fits(fits: list[_Fit], jobs: int, advance: Callable[[str], None] | None):
+    """``_run_fit`` of every fit, in the fits' order whatever ``jobs`` is (each fit reads only
+    its own points and seed, so one process or several give the same numbers); ``advance``
+    with the fit's label after each. ``jobs`` > 1: that many worker processes ("spawn": a
+    fresh interpreter, nothing inherited from a parent that may hold torch's threads)."""
+    if jobs <= 1 or len(fits) <= 1:
         out = []
-        for task in tasks:
-            out.append(_predict_task(task))
+        for fit in fits:
+            out.append(_run_fit(fit))
             if advance:
-                advance(label(task))
+                advance(fit.label)
         return out
     results: dict[int, list[_Held]] = {}
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
-        futures = {pool.submit(_predict_task, task): i for i, task in enumerate(tasks)}
+    with ProcessPoolExecutor(max_workers=min(jobs, len(fits)), mp_context=ctx) as pool:
+        futures = {pool.submit(_run_fit, fit): i for i, fit in enumerate(fits)}
         try:
             for done in as_completed(futures):
                 i = futures[done]
                 results[i] = done.result()
                 if advance:
-                    advance(label(tasks[i]))
+                    advance(fits[i].label)
         except BaseException:  # a fit's error or Ctrl-C: the queued fits are not started
             pool.shutdown(wait=False, cancel_futures=True)
             raise
-    return [results[i] for i in range(len(tasks))]
+    return [results[i] for i in range(len(fits))]
 
 
-def _loso_tasks(points: list[ValidationPoint], samples: int, seed: int) -> list[tuple]:
-    """Leave-one-source-out: one (held-out source's points, the others' points, samples,
-    seed) task per source, each predicted from a calibration on the others' points, started,
-    as every corpus fit is, from the priors' centres. (Until round 12 each refit started from
-    the fit on all the points, the held-out source's included: the corpus fit has many
-    near-equal minima, a refit stays in the basin its start chose, and a parameter only the
-    held-out source informs, its GPU generation's or its stack's, kept the value that source
-    had pulled it to. On round 12's train split, 504 points / 75 sources at ``--samples
-    500``: MAPE 22.9% so, 28.3% from the centres; the test split read 26.1%.)"""
-    keys = list(dict.fromkeys(p.source.key for p in points))
-    return [
-        (
-            [p for p in points if p.source.key == key],
-            [p for p in points if p.source.key != key],
-            samples,
-            seed + 100 * k,
-        )
-        for k, key in enumerate(keys)
-    ]
-
-
-def _fit_tasks(train, test, samples: int, seed: int) -> list[tuple]:
-    """``validate``'s fits: the train sources left out one at a time (when there are two or
-    more), then the test split from every train point (when there are both)."""
-    tasks = _loso_tasks(train, samples, seed) if len({p.source.key for p in train}) > 1 else []
+def _fits(points: list[ValidationPoint], samples: int, seed: int) -> list[_Fit]:
+    """``validate``'s calibrations. Leave-one-source-out over the train sources (when there are
+    two or more): each predicted from a calibration on the other train sources' points,
+    started, as every corpus fit is, from the priors' centres. Then the test split from every
+    train point (when there are both). (Until round 12 each refit started from the fit on
+    all the points, the held-out source's included: the corpus fit has many near-equal
+    minima, a refit stays in the basin its start chose, and a parameter only the held-out
+    source informs, its GPU generation's or its stack's, kept the value that source had
+    pulled it to. On round 12's train split, 504 points / 75 sources at ``--samples 500``:
+    MAPE 22.9% so, 28.3% from the centres; the test split read 26.1%.)"""
+    train = [p for p in points if split_of(p.source.key) == "train"]
+    test = [p for p in points if split_of(p.source.key) == "test"]
+    keys = list(dict.fromkeys(p.source.key for p in train))
+    fits = []
+    if len(keys) > 1:
+        for k, key in enumerate(keys):
+            own = [p for p in train if p.source.key == key]
+            rest = [p for p in train if p.source.key != key]
+            fits.append(_Fit("train", own, rest, samples, seed + 100 * k))
     if test and train:
-        tasks.append((test, train, samples, seed + 10_000))
-    return tasks
+        fits.append(_Fit("test", test, train, samples, seed + 10_000))
+    return fits
 
 
 @dataclass
@@ -588,10 +594,10 @@ def validate(
 
     ``jobs``: worker processes for the fits (one per held-out train source, and one for the
     test split), the same numbers whatever it is; ``advance(label)`` after each fit."""
-    train = [p for p in points if split_of(p.source.key) == "train"]
-    test = [p for p in points if split_of(p.source.key) == "test"]
-    predicted = _predict_all(_fit_tasks(train, test, samples, seed), jobs, advance)
-    held = [h for part in predicted[: len(predicted) - bool(test and train)] for h in part]
+    fits = _fits(points, samples, seed)
+    predicted = list(zip(fits, _run_fits(fits, jobs, advance), strict=True))
+    held = [h for fit, part in predicted if fit.split == "train" for h in part]
+    tested = [h for fit, part in predicted if fit.split == "test" for h in part]
     rows = []
     rng = np.random.default_rng(seed + 7)
     pcts = sorted({p for b in BANDS for p in b} | {50})
@@ -609,9 +615,8 @@ def validate(
         [np.log(x.predicted_speedup / x.measured_speedup) for x in train_pairs],
         [x.spec.point.anchor.noise for x in train_pairs],
     ) if train_pairs else 0.0  # fmt: skip
-    if test and train:
-        for h in predicted[-1]:
-            rows.append(_row(h, sigma[kind_of(h.point)], "test", rng, pcts))
+    for h in tested:
+        rows.append(_row(h, sigma[kind_of(h.point)], "test", rng, pcts))
     return LosoResult(rows, sigma)
 
 
@@ -633,10 +638,8 @@ def fit_corpus_prior(folder: str | Path | None = None) -> CorpusPrior:
 
 
 def fit_count(points: list[ValidationPoint]) -> int:
-    """How many fits ``validate`` makes of ``points`` (``_fit_tasks``)."""
-    train = [p for p in points if split_of(p.source.key) == "train"]
-    test = [p for p in points if split_of(p.source.key) == "test"]
-    return len(_fit_tasks(train, test, 1, 0))
+    """How many calibrations ``validate`` makes of ``points`` (``_fits``)."""
+    return len(_fits(points, 1, 0))
 
 
 def run(
