@@ -3,7 +3,7 @@ the cost model is chosen by (issue 27). Only train points are handed to ``valida
 source is calibrated on, predicted or printed. Prints the scores as ``--validate`` reports them
 (MAPE, speculative and AR MAPE, p10-p90 and p25-p75 coverage, speedup sign of the AR-paired
 points, the model-form sigmas) and, given a path, writes every held-out point's residual and
-band as JSON. Run (about 4 minutes with two worker processes on two cores, one fit from the
+band as JSON. Run (about 4.5 minutes with two worker processes on two cores, one fit from the
 priors' centres per source; the scores are the same whatever ``--jobs`` is):
 `OMP_NUM_THREADS=1 python scripts/train_loso.py --samples 500 --residuals /tmp/train.json`."""
 

@@ -83,8 +83,8 @@ REAL_SHAPE_IN_TESTS = "--preset tiny-qwen3"
 SKIPPED = {
     "make demo": "runs `ddtree demo` in .venv, which runs as written below",
     "make test": "this test suite itself",
-    "ddtree estimate --validate": "scores the bundled corpus (76 fits, about 13 minutes on one "
-    "core): tests/perf/test_validate.py::test_bundled_corpus_is_scored_train_and_test runs it",
+    "ddtree estimate --validate": "scores the bundled corpus (76 fits, about 4.5 minutes on two "
+    "cores): tests/perf/test_validate.py::test_bundled_corpus_is_scored_train_and_test runs it",
     "torchrun --nnodes 2": "needs two machines with 8 CUDA GPUs each",
     "torchrun --nproc-per-node 8 -m ddtree bench allreduce --tp 8 --device cuda": "needs 8 GPUs",
 }
