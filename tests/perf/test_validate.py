@@ -135,6 +135,39 @@ def test_no_fit_reads_a_test_point(tmp_path, monkeypatch):
     assert {tuple(r.calibrated_on) for r in v.part("test")} == {(A, B)}
 
 
+def test_staged_sources_are_scored_as_validate_will_without_reading_a_test_point(
+    tmp_path, monkeypatch
+):
+    """scripts/score_new_sources.py: a staged train source is predicted from every other train
+    source, bundled or staged; staged test sources from every train point; no bundled source
+    is predicted and no test point (bundled "b", staged "c") is calibrated on."""
+    truth = params_at(default_params(), {"weights_efficiency": 0.62, "graphs.step_overhead": 1e-3})
+    bundled, staged = tmp_path / "bundled", tmp_path / "staged"
+    bundled.mkdir(), staged.mkdir()
+    for folder, key, hw in ((bundled, A, "h100-sxm"), (bundled, "b", "b200"),
+                            (staged, B, "h200"), (staged, C, "a800"), (staged, "c", "b200")):  # fmt: skip
+        _write_source(folder, key, [_synthetic_point(f"{key}-ar", hw, 0, truth)])
+    seen = []
+    real = corpus.calibrate
+
+    def spy(anchors, *args, **kw):
+        seen.append({a.name for a in anchors})
+        return real(anchors, *args, **kw)
+
+    monkeypatch.setattr(corpus, "calibrate", spy)
+    rows = corpus.score_staged(corpus.load_points(bundled), corpus.load_points(staged), 200)
+    assert {r.point.name: r.split for r in rows} == {"g-ar": "train", "h-ar": "train",
+                                                      "c-ar": "test"}  # fmt: skip
+    assert sorted(map(sorted, seen)) == [["a-ar", "g-ar"], ["a-ar", "g-ar", "h-ar"],
+                                         ["a-ar", "h-ar"]]  # fmt: skip
+    assert {r.point.name: tuple(r.calibrated_on) for r in rows} == {
+        "g-ar": (A, C), "h-ar": (A, B), "c-ar": (A, B, C)}  # fmt: skip
+    for r in rows:
+        assert r.band_tokens_per_s[10] < r.band_tokens_per_s[90]
+    with pytest.raises(ScenarioError, match="already in the corpus: a"):
+        corpus.score_staged(corpus.load_points(bundled), corpus.load_points(bundled), 200)
+
+
 def frozen_test_sources() -> list[str]:
     """The test sources written down in the corpus's test_split.txt (one key a line, #
     comments), the record the split was frozen in before the cost model changed."""

@@ -70,7 +70,7 @@ from ddtree.perf.projection.calibrate import (
     calibrate,
     posterior_samples,
 )
-from ddtree.perf.projection.uncertainty import model_form_kind
+from ddtree.perf.projection.uncertainty import model_form_kind, model_form_sigma
 from ddtree.perf.shapes.model import ModelError, load_model
 
 EXPLAIN_ABOVE = 0.30  # a point off by more than this must carry a note
@@ -554,6 +554,48 @@ def _fits(points: list[ValidationPoint], samples: int, seed: int) -> list[_Fit]:
     if test and train:
         fits.append(_Fit("test", test, train, samples, seed + 10_000))
     return fits
+
+
+def staged_fits(
+    bundled: list[ValidationPoint], staged: list[ValidationPoint], samples: int, seed: int
+) -> list[_Fit]:
+    """The calibrations that score ``staged`` points (files not yet in the corpus) as
+    ``validate`` will once they join it: a staged train source from every other train point,
+    bundled or staged; the staged test sources from every train point. No bundled source is
+    predicted, and no test point, bundled or staged, is calibrated on."""
+    clash = {p.source.key for p in staged} & {p.source.key for p in bundled}
+    if clash:
+        raise ScenarioError(f"staged sources already in the corpus: {', '.join(sorted(clash))}")
+    train = [p for p in bundled + staged if split_of(p.source.key) == "train"]
+    fits = []
+    for k, key in enumerate(dict.fromkeys(p.source.key for p in staged)):
+        if split_of(key) == "train":
+            own = [p for p in staged if p.source.key == key]
+            rest = [p for p in train if p.source.key != key]
+            fits.append(_Fit("train", own, rest, samples, seed + 100 * k))
+    test = [p for p in staged if split_of(p.source.key) == "test"]
+    if test:
+        fits.append(_Fit("test", test, train, samples, seed + 10_000))
+    return fits
+
+
+def score_staged(
+    bundled: list[ValidationPoint],
+    staged: list[ValidationPoint],
+    samples: int = 500,
+    seed: int = 0,
+    jobs: int = 1,
+) -> list[ValidationRow]:
+    """``staged_fits``' predictions, each band with the model-form error of its kind as
+    ``data/model_form.toml`` holds it (what the last ``--validate`` fitted)."""
+    fits = staged_fits(bundled, staged, samples, seed)
+    rng = np.random.default_rng(seed + 7)
+    pcts = sorted({p for b in BANDS for p in b} | {50})
+    return [
+        _row(h, model_form_sigma(kind_of(h.point)), fit.split, rng, pcts)
+        for fit, part in zip(fits, _run_fits(fits, jobs, None), strict=True)
+        for h in part
+    ]  # fmt: skip
 
 
 @dataclass
