@@ -116,10 +116,8 @@ def test_no_prior_cites_a_test_source():
             assert url not in text, (f, url)
 
 
-def test_no_fit_reads_a_test_point(tmp_path, monkeypatch):
-    truth = params_at(default_params(), {"weights_efficiency": 0.62, "graphs.step_overhead": 1e-3})
-    for key, hw in ((A, "h100-sxm"), (B, "h200"), ("b", "b200"), ("c", "a800")):
-        _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth)])
+def _calibrations_seen(monkeypatch) -> list[set[str]]:
+    """The anchor names of every calibration the corpus makes from now on (a spy on it)."""
     seen = []
     real = corpus.calibrate
 
@@ -128,6 +126,14 @@ def test_no_fit_reads_a_test_point(tmp_path, monkeypatch):
         return real(anchors, *args, **kw)
 
     monkeypatch.setattr(corpus, "calibrate", spy)
+    return seen
+
+
+def test_no_fit_reads_a_test_point(tmp_path, monkeypatch):
+    truth = params_at(default_params(), {"weights_efficiency": 0.62, "graphs.step_overhead": 1e-3})
+    for key, hw in ((A, "h100-sxm"), (B, "h200"), ("b", "b200"), ("c", "a800")):
+        _write_source(tmp_path, key, [_synthetic_point(f"{key}-ar", hw, 0, truth)])
+    seen = _calibrations_seen(monkeypatch)
     v = corpus.run(tmp_path, samples=200)
     assert seen and all(not ({"b-ar", "c-ar"} & names) for names in seen)
     assert {r.point.name: r.split for r in v.rows} == {
@@ -147,14 +153,7 @@ def test_staged_sources_are_scored_as_validate_will_without_reading_a_test_point
     for folder, key, hw in ((bundled, A, "h100-sxm"), (bundled, "b", "b200"),
                             (staged, B, "h200"), (staged, C, "a800"), (staged, "c", "b200")):  # fmt: skip
         _write_source(folder, key, [_synthetic_point(f"{key}-ar", hw, 0, truth)])
-    seen = []
-    real = corpus.calibrate
-
-    def spy(anchors, *args, **kw):
-        seen.append({a.name for a in anchors})
-        return real(anchors, *args, **kw)
-
-    monkeypatch.setattr(corpus, "calibrate", spy)
+    seen = _calibrations_seen(monkeypatch)
     rows = corpus.score_staged(corpus.load_points(bundled), corpus.load_points(staged), 200)
     assert {r.point.name: r.split for r in rows} == {"g-ar": "train", "h-ar": "train",
                                                       "c-ar": "test"}  # fmt: skip
