@@ -542,18 +542,7 @@ def _fits(points: list[ValidationPoint], samples: int, seed: int) -> list[_Fit]:
     source informs, its GPU generation's or its stack's, kept the value that source had
     pulled it to. On round 12's train split, 504 points / 75 sources at ``--samples 500``:
     MAPE 22.9% so, 28.3% from the centres; the test split read 26.1%.)"""
-    train = [p for p in points if split_of(p.source.key) == "train"]
-    test = [p for p in points if split_of(p.source.key) == "test"]
-    keys = list(dict.fromkeys(p.source.key for p in train))
-    fits = []
-    if len(keys) > 1:
-        for k, key in enumerate(keys):
-            own = [p for p in train if p.source.key == key]
-            rest = [p for p in train if p.source.key != key]
-            fits.append(_Fit("train", own, rest, samples, seed + 100 * k))
-    if test and train:
-        fits.append(_Fit("test", test, train, samples, seed + 10_000))
-    return fits
+    return staged_fits([], points, samples, seed)
 
 
 def staged_fits(
@@ -562,19 +551,23 @@ def staged_fits(
     """The calibrations that score ``staged`` points (files not yet in the corpus) as
     ``validate`` will once they join it: a staged train source from every other train point,
     bundled or staged; the staged test sources from every train point. No bundled source is
-    predicted, and no test point, bundled or staged, is calibrated on."""
+    predicted, and no test point, bundled or staged, is calibrated on. ``_fits`` is the case
+    with nothing bundled: every source of the folder staged."""
     clash = {p.source.key for p in staged} & {p.source.key for p in bundled}
     if clash:
         raise ScenarioError(f"staged sources already in the corpus: {', '.join(sorted(clash))}")
     train = [p for p in bundled + staged if split_of(p.source.key) == "train"]
+    own_train = list(
+        dict.fromkeys(p.source.key for p in staged if split_of(p.source.key) == "train")
+    )
     fits = []
-    for k, key in enumerate(dict.fromkeys(p.source.key for p in staged)):
-        if split_of(key) == "train":
-            own = [p for p in staged if p.source.key == key]
-            rest = [p for p in train if p.source.key != key]
+    for k, key in enumerate(own_train):
+        own = [p for p in staged if p.source.key == key]
+        rest = [p for p in train if p.source.key != key]
+        if rest:  # a lone train source has nothing to be predicted from
             fits.append(_Fit("train", own, rest, samples, seed + 100 * k))
     test = [p for p in staged if split_of(p.source.key) == "test"]
-    if test:
+    if test and train:
         fits.append(_Fit("test", test, train, samples, seed + 10_000))
     return fits
 
