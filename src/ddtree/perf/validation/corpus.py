@@ -90,6 +90,7 @@ def split_of(source_key: str) -> str:
 
 
 BANDS = ((10, 90), (25, 75))  # the central bands whose coverage is reported
+PERCENTILES = sorted({p for b in BANDS for p in b} | {50})  # what a row's band holds
 
 
 @dataclass(frozen=True)
@@ -583,9 +584,8 @@ def score_staged(
     ``data/model_form.toml`` holds it (what the last ``--validate`` fitted)."""
     fits = staged_fits(bundled, staged, samples, seed)
     rng = np.random.default_rng(seed + 7)
-    pcts = sorted({p for b in BANDS for p in b} | {50})
     return [
-        _row(h, model_form_sigma(kind_of(h.point)), fit.split, rng, pcts)
+        _row(h, model_form_sigma(kind_of(h.point)), fit.split, rng)
         for fit, part in zip(fits, _run_fits(fits, jobs, None), strict=True)
         for h in part
     ]  # fmt: skip
@@ -597,12 +597,12 @@ class LosoResult:
     model_form_sigma: dict[str, float]  # by kind_of, fitted on every train held-out point
 
 
-def _row(h: _Held, sigma_s: float, split: str, rng, pcts) -> ValidationRow:
+def _row(h: _Held, sigma_s: float, split: str, rng) -> ValidationRow:
     width = float(np.hypot(h.point.anchor.noise, sigma_s))
     band = h.samples * np.exp(rng.normal(0.0, width, h.samples.shape))  # [samples]
     return ValidationRow(
         h.point, h.point.anchor.tokens_per_s, h.predicted,
-        {p: float(np.percentile(band, p)) for p in pcts}, h.calibrated_on, h.posterior,
+        {p: float(np.percentile(band, p)) for p in PERCENTILES}, h.calibrated_on, h.posterior,
         model_form_sigma=sigma_s, split=split,
     )  # fmt: skip
 
@@ -635,12 +635,11 @@ def validate(
     tested = [h for fit, part in predicted if fit.split == "test" for h in part]
     rows = []
     rng = np.random.default_rng(seed + 7)
-    pcts = sorted({p for b in BANDS for p in b} | {50})
     kinds = sorted({kind_of(h.point) for h in held})
     for h in held:
         key, kind = h.point.source.key, kind_of(h.point)
         same = [x for x in held if x.point.source.key != key and kind_of(x.point) == kind]
-        rows.append(_row(h, _fit_held(same) if same else 0.0, "train", rng, pcts))
+        rows.append(_row(h, _fit_held(same) if same else 0.0, "train", rng))
     sigma = {}
     for k in kinds:
         of_kind = [h for h in held if kind_of(h.point) == k]
@@ -651,7 +650,7 @@ def validate(
         [x.spec.point.anchor.noise for x in train_pairs],
     ) if train_pairs else 0.0  # fmt: skip
     for h in tested:
-        rows.append(_row(h, sigma[kind_of(h.point)], "test", rng, pcts))
+        rows.append(_row(h, sigma[kind_of(h.point)], "test", rng))
     return LosoResult(rows, sigma)
 
 
