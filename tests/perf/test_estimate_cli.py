@@ -52,7 +52,7 @@ def test_seed_answers_reproduce_anchors_and_say_overheads_dominate():
     )
     # the seed: "MoE about 2 ms". The B300's MoE is projected from the PRO 6000's MoE anchors
     # through the corpus prior's efficiencies (1.5 ms since round 15's corpus; 1.9 ms in round
-    # 14): within a third of the article's figure
+    # 14): within a factor of 1.5 of the article's figure
     assert 2e-3 / 1.5 < moe_kernel_s < 2e-3 * 1.5
     assert "overheads dominate" in now.amdahl.statement
     strong = by["B300, stronger drafter (block 16, budget 32)"]
