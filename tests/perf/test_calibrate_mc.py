@@ -80,6 +80,34 @@ def test_a_robust_fit_is_not_dragged_by_one_wild_anchor():
         assert pulled[6.0][name] == pytest.approx(want, rel=0.03), name
 
 
+def test_a_fit_stops_once_converged_where_a_longer_run_ends(monkeypatch):
+    """The stopping rule (``CONVERGED``): on six train sources of the published corpus, a
+    robust fit that stops once three accepted steps in a row gain under 1e-5 of the objective
+    evaluates the model fewer times than one that runs to the cap, and lands where it does."""
+    import ddtree.perf.projection.calibrate as cal_mod
+    from ddtree.perf.validation import corpus
+
+    points = [
+        p for p in corpus.load_points(corpus.BUNDLED) if corpus.split_of(p.source.key) == "train"
+    ]
+    keys = sorted({p.source.key for p in points})[:6]
+    anchors = corpus.calibration_anchors([p for p in points if p.source.key in keys])
+    calls = []
+    real = cal_mod._log_residuals
+    monkeypatch.setattr(cal_mod, "_log_residuals", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def fit(converged):
+        monkeypatch.setattr(cal_mod, "CONVERGED", converged)
+        calls.clear()
+        out = calibrate(anchors, default_params(), robust=corpus.CORPUS_ROBUST_SCALE)
+        return out, len(calls)
+
+    (short, n_short), (long, n_long) = fit(1e-5), fit(0.0)
+    assert n_short < n_long
+    for name, value in long.values.items():
+        assert short.values[name] == pytest.approx(value, rel=5e-4), name
+
+
 def test_calibration_from_a_subset_keeps_priors_elsewhere():
     specs, anchors = _synthetic(TRUE)
     cal = calibrate(anchors[:1], specs)

@@ -189,6 +189,17 @@ def _log_residuals(anchors: Sequence[Anchor], params: dict, robust: float | None
     ]
 
 
+CONVERGED = 1e-5
+CONVERGED_STEPS = 3
+"""The fit stops once ``CONVERGED_STEPS`` accepted steps in a row each lower its objective by
+less than ``CONVERGED`` of itself (or after ``iterations``). A rejected step does not count: a
+Levenberg-Marquardt run often rejects several steps, raising its damping, before it finds the
+next large gain. On the corpus's train split (about 2,100 in chi-square) that is a gain under
+0.02 a step, what a move of a seventh of a posterior sigma along the best direction gives
+(0.14^2). Eleven leave-one-source-out fits of the corpus then took 37-58 iterations instead of
+51-60 (until 1e-10 or the cap), and their objectives ended within 0.016 of the longer runs'."""
+
+
 @one_blas_thread
 def calibrate(
     anchors: Sequence[Anchor],
@@ -239,6 +250,7 @@ def calibrate(
     lam = 1e-3
     r, J = jac(theta)
     cost = float(r @ r)
+    small = 0  # accepted steps in a row that gained under CONVERGED
     for _ in range(iterations):
         A = J.T @ J
         g = J.T @ r
@@ -248,9 +260,9 @@ def calibrate(
         c2 = float(r2 @ r2)
         if c2 < cost:
             theta, r, J, lam = cand, r2, J2, max(lam / 3, 1e-9)
-            done = cost - c2 < 1e-10 * max(cost, 1.0)
+            small = small + 1 if cost - c2 < CONVERGED * max(cost, 1.0) else 0
             cost = c2
-            if done:
+            if small >= CONVERGED_STEPS:
                 break
         else:
             lam *= 4
