@@ -197,7 +197,8 @@ Levenberg-Marquardt run often rejects several steps, raising its damping, before
 next large gain. On the corpus's train split (about 2,100 in chi-square) that is a gain under
 0.02 a step, what a move of a seventh of a posterior sigma along the best direction gives
 (0.14^2). Eleven leave-one-source-out fits of the corpus then took 37-58 iterations instead of
-51-60 (until 1e-10 or the cap), and their objectives ended within 0.016 of the longer runs'."""
+the 51-60 of the old stop (one gain under 1e-10 of the objective, or the cap), and their
+objectives ended within 0.016 of those longer runs'."""
 
 
 @one_blas_thread
@@ -213,7 +214,8 @@ def calibrate(
     starting from the priors' centres or from ``start`` (theta of the same free parameters,
     e.g. a fit on a superset of the anchors: a leave-one-out refit is then a few steps).
     ``robust``: the anchors' loss scale in noise units (``robust_residual``; a fit on the
-    published corpus uses ``CORPUS_ROBUST_SCALE``); None: least squares."""
+    published corpus uses ``CORPUS_ROBUST_SCALE``); None: least squares. It stops at
+    ``iterations`` or once converged (``CONVERGED``)."""
     fixed = dict(fixed or {})
     anchors = list(anchors)
     names = [n for n in specs if n not in fixed]
