@@ -435,7 +435,7 @@ def corpus_params(
     its width as it was: what ``ddtree estimate`` starts a scenario from, so a question with no
     anchor of its own gets what the published measurements say. ``keep``: names whose default
     the scenario itself set (its [engine] tables), left as they are. Example: the defaults put
-    ``stack_host.vllm`` at 1.0; the train fit at about 1.9 (vLLM's per-step host cost)."""
+    ``stack_host.vllm`` at 1.0; the train fit at about 1.5 (vLLM's per-step host cost)."""
     fit = corpus_prior()
     specs = default_params(engines)
     for name, spec in specs.items():
