@@ -5,7 +5,8 @@ source is calibrated on, predicted or printed. Prints the scores as ``--validate
 points, the model-form sigmas) and, given a path, writes every held-out point's residual and
 band as JSON. Run (about 4.5 minutes with two worker processes on two cores, one fit from the
 priors' centres per source; the scores are the same whatever ``--jobs`` is):
-`OMP_NUM_THREADS=1 python scripts/train_loso.py --samples 500 --residuals /tmp/train.json`."""
+`OMP_NUM_THREADS=1 python scripts/train_loso.py --samples 500 --residuals /tmp/train.json`.
+Two such files (the model as it is, a variant) are compared by ``scripts/compare_loso.py``."""
 
 import argparse
 import json
