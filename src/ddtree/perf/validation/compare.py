@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddtree.perf.validation.corpus import mean_abs_error
+
 MAPE_MARGIN = 0.01
 """A variant is kept when its train MAPE is at least this much lower (one point), its
 speculative MAPE no higher and its speedup sign right no less often (``passes_margin``): the
@@ -59,18 +61,14 @@ class Comparison:
         return passes_margin(self.base, self.variant)
 
 
-def _mean_abs(rows: list[dict]) -> float:
-    return float(np.mean([abs(r["rel_error"]) for r in rows])) if rows else float("nan")
-
-
 def scores(rows: list[dict]) -> Scores:
     """MAPE overall and over the speculative points, and the share of AR-paired points (those
     with ``sign_right``) whose predicted speedup is on the measured side of 1."""
     paired = [r["sign_right"] for r in rows if "sign_right" in r]
     return Scores(
         len(rows),
-        _mean_abs(rows),
-        _mean_abs([r for r in rows if r["speculative"]]),
+        mean_abs_error(r["rel_error"] for r in rows),
+        mean_abs_error(r["rel_error"] for r in rows if r["speculative"]),
         float(np.mean(paired)) if paired else float("nan"),
         len(paired),
     )

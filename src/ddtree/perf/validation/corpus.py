@@ -261,8 +261,14 @@ class Validation:
         return {s: [r for r in self.rows if r.point.source.key == s] for s in self.sources}
 
 
+def mean_abs_error(rel_errors) -> float:
+    """The MAPE of relative errors (predicted / measured - 1); NaN for none."""
+    errors = [abs(e) for e in rel_errors]
+    return float(np.mean(errors)) if errors else float("nan")
+
+
 def mape(rows: list[ValidationRow]) -> float:
-    return float(np.mean([abs(r.rel_error) for r in rows])) if rows else float("nan")
+    return mean_abs_error(r.rel_error for r in rows)
 
 
 def coverage(rows: list[ValidationRow], low: int, high: int) -> float:
